@@ -1,0 +1,187 @@
+"""The configuration schema: every knob, its default and what it means.
+
+Hydra validates types and rejects unknown keys against these dataclasses; `validate` adds the semantic
+checks (one line naming the key) that must pass before any expensive work starts. The trainer and the
+data generator take these objects (or any object with the same attributes); only `scaffold.train` and
+`scaffold.data.__main__` know about Hydra.
+
+Defaults follow upstream ScaFFold's benchmark, except `scale`: its default is small enough that a plain
+`python -m scaffold.train` reaches the target Dice on a 2-core CPU in a few minutes. The GPU benchmark is
+`scale=7` (128³ volumes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key."""
+
+
+@dataclass
+class DataConfig:
+    n_categories: int = 5
+    """Number of fractal classes drawn from the shipped library (labels are these plus background)."""
+    n_instances: int = 145
+    """Instances (affine variants) per class; rounded down to a multiple of `fractals_per_volume`."""
+    fractals_per_volume: int = 3
+    """Fractal instances overlaid in one volume; later ones overwrite earlier ones."""
+    val_fraction: float = 0.3
+    """Share of the volumes held out for validation."""
+    variance_threshold: float = 0.15
+    """A class is accepted when its normalized point cloud has at least this variance on every axis."""
+    cache_dir: str = ".cache/scaffold"
+    """Folder holding generated datasets (one HDF5 file per data-defining config); relative to the
+    directory the command was started from."""
+    workers: int = 0
+    """Processes generating the dataset; 0 = one per CPU core. The bytes do not depend on it."""
+    loader_workers: int = 0
+    """DataLoader worker processes reading masks from the HDF5 file (0 = read in the main process)."""
+
+
+@dataclass
+class ModelConfig:
+    bottleneck: int = 3
+    """log2 of the bottleneck edge: levels = scale - bottleneck (2³ voxels at the bottom by default)."""
+    base_width: int = 64
+    """Channels after the stem; doubles at every level."""
+    groups: int = 8
+    """GroupNorm groups; must divide every width."""
+
+
+@dataclass
+class OptimConfig:
+    weight_decay: float = 0.0
+    """Adam weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables clipping)."""
+    t0: int = 10
+    """CosineAnnealingWarmRestarts T_0, in epochs."""
+    t_mult: int = 2
+    """CosineAnnealingWarmRestarts T_mult."""
+    eta_min: float = 1e-4
+    """CosineAnnealingWarmRestarts eta_min."""
+
+
+@dataclass
+class LadderConfig:
+    conv: str = "auto"
+    """Rung for Conv3d sites: auto | triton | vendor."""
+    conv_transpose: str = "auto"
+    """Rung for ConvTranspose3d sites: auto | triton | vendor."""
+    group_norm: str = "auto"
+    """Rung for GroupNorm(+ReLU) sites: auto | triton | vendor."""
+
+
+@dataclass
+class Config:
+    scale: int = 4
+    """log2 of the volume edge: 4 = 16³ (CPU quickstart), 7 = 128³ (GPU benchmark)."""
+    seed: int = 42
+    """Seeds the data, the model initialisation and the sampler."""
+    epochs: int = 50
+    """Epoch cap; -1 trains until `target_dice` is reached."""
+    batch_size: int = 1
+    """Volumes per optimizer step."""
+    lr: float = 1e-3
+    """Adam learning rate (the cosine schedule's peak)."""
+    target_dice: float = 0.95
+    """Stop once the validation Dice reaches this."""
+    determinism: str = "default"
+    """default (bitwise reproducible) | strict (also torch.use_deterministic_algorithms, raising) |
+    off (vendor autotuning allowed; bits may differ between runs)."""
+    device: str = "auto"
+    """auto (CUDA when present) | cpu | cuda | cuda:N."""
+    precision: str = "auto"
+    """auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32."""
+    checkpoint_interval: int = 1
+    """Write the `last` checkpoint every this many epochs (0 = never; `best` is always kept)."""
+    warmup_steps: int = 2
+    """Untimed steps before the first epoch (compilation, allocation); rolled back afterwards."""
+    resume: Optional[str] = None
+    """A run directory to continue bit for bit from its last checkpoint."""
+    profile: bool = False
+    """Write a torch profiler trace of a few steps of the first epoch to the run directory."""
+    progress: bool = True
+    """Show a progress bar per epoch (plain lines when not on a terminal)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ladder: LadderConfig = field(default_factory=LadderConfig)
+
+
+RUNGS = ("auto", "triton", "vendor")
+DETERMINISM_MODES = ("default", "strict", "off")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def _need(ok: bool, key: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+def validate_data(data: Any, scale: int) -> None:
+    """Checks of what defines a dataset (shared by the trainer and `python -m scaffold.data`)."""
+    _need(isinstance(scale, int) and scale > 0, "scale", "a positive integer", scale)
+    _need(scale <= 10, "scale", "at most 10 (1024³ volumes)", scale)
+    _need(data.n_categories > 0, "data.n_categories", "a positive integer", data.n_categories)
+    _need(data.fractals_per_volume > 0, "data.fractals_per_volume", "a positive integer",
+          data.fractals_per_volume)
+    _need(data.n_instances >= data.fractals_per_volume, "data.n_instances",
+          f"at least data.fractals_per_volume ({data.fractals_per_volume})", data.n_instances)
+    _need(data.n_instances <= 145, "data.n_instances", "at most 145 (12 positions x 12 factors + 1)",
+          data.n_instances)
+    _need(0.0 < data.val_fraction < 1.0, "data.val_fraction", "a number in (0, 1)", data.val_fraction)
+    _need(data.variance_threshold > 0, "data.variance_threshold", "a number > 0",
+          data.variance_threshold)
+    _need(data.workers >= 0, "data.workers", "an integer >= 0 (0 = one per core)", data.workers)
+    _need(data.loader_workers >= 0, "data.loader_workers", "an integer >= 0", data.loader_workers)
+
+
+def widths(cfg: Any) -> list[int]:
+    """Channel widths of the U-Net levels, from the stem down to the bottleneck."""
+    levels = cfg.scale - cfg.model.bottleneck
+    return [cfg.model.base_width * 2**i for i in range(levels + 1)]
+
+
+def validate(cfg: Any) -> None:
+    """Semantic checks of a whole training config; raises ConfigError with one line naming the key."""
+    validate_data(cfg.data, cfg.scale)
+    m = cfg.model
+    _need(m.bottleneck >= 0, "model.bottleneck", "an integer >= 0", m.bottleneck)
+    _need(cfg.scale > m.bottleneck, "scale", f"greater than model.bottleneck ({m.bottleneck})",
+          cfg.scale)
+    _need(m.base_width > 0, "model.base_width", "a positive integer", m.base_width)
+    _need(m.groups > 0, "model.groups", "a positive integer", m.groups)
+    bad = [w for w in widths(cfg) if w % m.groups]
+    _need(not bad, "model.groups", f"a divisor of every width {widths(cfg)}", m.groups)
+    _need(cfg.epochs == -1 or cfg.epochs > 0, "epochs", "a positive integer or -1 (until converged)",
+          cfg.epochs)
+    _need(cfg.batch_size > 0, "batch_size", "a positive integer", cfg.batch_size)
+    _need(cfg.lr > 0, "lr", "a number > 0", cfg.lr)
+    _need(0 < cfg.target_dice <= 1, "target_dice", "a number in (0, 1]", cfg.target_dice)
+    _need(cfg.determinism in DETERMINISM_MODES, "determinism", " | ".join(DETERMINISM_MODES),
+          cfg.determinism)
+    _need(cfg.precision in PRECISIONS, "precision", " | ".join(PRECISIONS), cfg.precision)
+    dev = str(cfg.device)
+    _need(dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:"), "device",
+          "auto | cpu | cuda | cuda:N", cfg.device)
+    _need(cfg.checkpoint_interval >= 0, "checkpoint_interval", "an integer >= 0",
+          cfg.checkpoint_interval)
+    _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)
+    for key in ("conv", "conv_transpose", "group_norm"):
+        value = getattr(cfg.ladder, key)
+        _need(value in RUNGS, f"ladder.{key}", " | ".join(RUNGS), value)
+    o = cfg.optim
+    _need(o.grad_clip >= 0, "optim.grad_clip", "a number >= 0 (0 disables)", o.grad_clip)
+    _need(o.t0 > 0, "optim.t0", "a positive integer", o.t0)
+    _need(o.t_mult >= 1, "optim.t_mult", "an integer >= 1", o.t_mult)
+    _need(o.eta_min >= 0, "optim.eta_min", "a number >= 0", o.eta_min)
+
+
+def register() -> None:
+    """Registers the schema with Hydra's ConfigStore (as `base_config`, used by conf/config.yaml)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=Config)

@@ -1,0 +1,57 @@
+"""What every kernel launcher asks: may this tensor run on Triton here, and which tile table applies."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1, read at triton import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the install
+        return False
+    return True
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    """A tensor can go through our Triton kernels: on CUDA, or on the CPU under the interpreter."""
+    if not triton_importable():
+        return False
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and interpreting()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def arch_key(device: torch.device) -> str:
+    """Key of the frozen tile tables: 'sm90' on Hopper, 'cpu' under the interpreter."""
+    if device.type == "cuda":
+        return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of the device (a fixed 4 under the interpreter, so split counts stay pure
+    functions of shape and device)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4

@@ -1,0 +1,24 @@
+"""Test setup: Triton runs in its interpreter when no GPU is present; `gpu` and `slow` markers."""
+import os
+
+import torch
+
+# Must happen before anything imports triton: the interpreter is chosen at import time.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped cleanly without one)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds on the 2-core CPU machine")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
