@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key."""
 
 
+RETIRED_MORE_DETERMINISM = (
+    "more_determinism is retired: runs are now deterministic by default, and determinism=strict "
+    "raises on any nondeterministic op"
+)
+
+
 @dataclass
 class DataConfig:
     n_categories: int = 5
@@ -105,6 +111,8 @@ class Config:
     """Write a torch profiler trace of a few steps of the first epoch to the run directory."""
     progress: bool = True
     """Show a progress bar per epoch (plain lines when not on a terminal)."""
+    more_determinism: Optional[Any] = None
+    """Retired. Setting it is an error that says what replaced it (`determinism`)."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -147,6 +155,8 @@ def widths(cfg: Any) -> list[int]:
 
 def validate(cfg: Any) -> None:
     """Semantic checks of a whole training config; raises ConfigError with one line naming the key."""
+    if getattr(cfg, "more_determinism", None) is not None:
+        raise ConfigError(RETIRED_MORE_DETERMINISM)
     validate_data(cfg.data, cfg.scale)
     m = cfg.model
     _need(m.bottleneck >= 0, "model.bottleneck", "an integer >= 0", m.bottleneck)

@@ -1,0 +1,80 @@
+"""train_stats.csv: one row per epoch, written and flushed as the epoch ends.
+
+The first ten columns are upstream ScaFFold's, with the same meanings:
+  epoch                  1-based epoch number
+  epoch_loss             sum over the epoch's training samples of the per-sample loss
+  overall_loss           epoch_loss / training samples (the mean training loss)
+  val_loss_epoch         sum over the validation samples of the per-sample loss
+  val_loss_avg           val_loss_epoch / validation samples
+  train_dice             mean soft foreground Dice of the training steps (sample-weighted)
+  val_dice               mean hard foreground Dice over the validation samples
+  epoch_duration         wall-clock seconds of the epoch (training + evaluation)
+  optimizer_steps        optimizer steps this epoch
+  total_optimizer_steps  optimizer steps since the run began
+Ours follow: the learning rate the epoch trained with, the median step time, whether this epoch is the
+best so far (lowest val_loss_avg; a tie keeps the earlier), and the cumulative training time.
+Only the wall-clock columns (WALL_CLOCK) may differ between two runs of the same config.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+UPSTREAM_COLUMNS = (
+    "epoch", "epoch_loss", "overall_loss", "val_loss_epoch", "val_loss_avg", "train_dice", "val_dice",
+    "epoch_duration", "optimizer_steps", "total_optimizer_steps",
+)
+COLUMNS = UPSTREAM_COLUMNS + ("lr", "step_ms_median", "is_best", "train_time")
+WALL_CLOCK = ("epoch_duration", "step_ms_median", "train_time")
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, float):
+        # repr round-trips exactly: the CSV is part of the determinism contract.
+        return repr(value) if math.isfinite(value) else str(value)
+    return str(value)
+
+
+class StatsFile:
+    """Appends rows to train_stats.csv; on resume, first drops rows past the checkpoint's epoch."""
+
+    def __init__(self, path: Path, keep_through_epoch: int = 0):
+        self.path = Path(path)
+        if keep_through_epoch > 0 and self.path.exists():
+            self._truncate(keep_through_epoch)
+        else:
+            self._write_atomic([])
+
+    def _truncate(self, last_epoch: int) -> None:
+        rows = [r for r in read_rows(self.path) if int(r["epoch"]) <= last_epoch]
+        self._write_atomic(rows)
+
+    def _write_atomic(self, rows: Iterable[dict[str, str]]) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(COLUMNS)
+            for row in rows:
+                writer.writerow([row.get(c, "") for c in COLUMNS])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def append(self, row: dict[str, Any]) -> None:
+        missing = [c for c in COLUMNS if c not in row]
+        if missing:
+            raise KeyError(f"stats row lacks columns {missing}")
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f).writerow([_cell(row[c]) for c in COLUMNS])
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))

@@ -1,0 +1,190 @@
+"""One process's whole job: determinism, place in the job, data, model, loop, results, teardown.
+
+`run(cfg, run_dir)` takes a plain config object (scaffold.config.Config or an OmegaConf node of it) and a
+run directory; it knows nothing of Hydra. Every check that can fail on bad input runs before the dataset
+is generated or the model is built.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+import scaffold
+from scaffold import checkpoint, determinism, distributed, report
+from scaffold.config import ConfigError, validate
+from scaffold.stats import StatsFile
+from scaffold.trainer import Trainer, Volumes
+
+log = logging.getLogger("scaffold")
+
+RUN_FILE = "run.json"  # marks a scaffold run directory; holds the resolved config for resume
+RESULT_FILE = "result.json"
+CENSUS_FILE = "census.json"
+STATS_FILE = "train_stats.csv"
+
+
+def pick_device(name: str, place: distributed.Place) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={name!r}: no CUDA device is available here (use device=cpu)")
+        if name == "cuda":
+            return torch.device("cuda", place.local_rank)
+    return torch.device(name)
+
+
+def check_writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir}: not writable ({e.strerror or e})") from None
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def config_dict(cfg: Any) -> dict:
+    from omegaconf import OmegaConf
+
+    node = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
+    return OmegaConf.to_container(node, resolve=True)
+
+
+def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[str]] = None) -> dict:
+    """Train one model; returns the result summary (also written to run_dir/result.json)."""
+    run_dir = Path(run_dir)
+    validate(cfg)
+    determinism.configure(cfg.determinism)  # before anything touches CUDA
+    place = distributed.init("cuda" if str(cfg.device) != "cpu" and torch.cuda.is_available() else "cpu")
+    device = pick_device(str(cfg.device), place)
+    run_dir = Path(distributed.broadcast_object(str(run_dir), place))
+    check_writable(run_dir)
+
+    from scaffold.data.store import split_sizes
+
+    n_train, n_val = split_sizes(cfg.data)
+    if cfg.batch_size > n_train:
+        raise ConfigError(f"batch_size={cfg.batch_size}: expected at most the {n_train} training volumes")
+    if place.world > n_train:
+        raise ConfigError(f"world size {place.world}: more ranks than the {n_train} training volumes")
+    state = None
+    if resume:
+        state, ckpt_path = checkpoint.load_latest(run_dir / "checkpoints")
+        log.info("resuming from %s (epoch %d)", ckpt_path, state["epoch"])
+
+    # ---- data: rank 0 generates (or reuses) the dataset, the others then reuse it
+    from scaffold.data.store import load_masks, prepare, read_info
+
+    t0 = time.perf_counter()
+    if place.is_main:
+        path = prepare(cfg.data, cfg.scale, cfg.seed, progress=cfg.progress)
+    distributed.barrier(place)
+    if not place.is_main:
+        path = prepare(cfg.data, cfg.scale, cfg.seed, progress=False)
+    info = read_info(path)
+    data_seconds = time.perf_counter() - t0
+    log.info("dataset %s: %d train + %d validation volumes of %d³, %d classes (%.1f s)", path,
+             info.n_train, info.n_val, info.edge, info.n_classes, data_seconds)
+
+    # ---- model, loss, volumes on the device
+    from scaffold.loss import SegmentationLoss, check_labels, class_weights
+    from scaffold.model.ladder import census, format_census
+    from scaffold.model.unet import UNet3d
+
+    determinism.seed_all(cfg.seed)
+    model = UNet3d.from_config(cfg, info.n_classes)  # initialised on the CPU: same start on any device
+    model = model.to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last_3d)
+    loss_fn = SegmentationLoss(class_weights(info.class_counts)).to(device)
+    train = torch.from_numpy(load_masks(path, "train"))
+    val = torch.from_numpy(load_masks(path, "val"))
+    check_labels(train, info.n_classes)  # once per dataset, never inside the step
+    check_labels(val, info.n_classes)
+    volumes = Volumes(train.to(device), val.to(device), torch.from_numpy(info.palette).to(device))
+    ddp = None
+    if place.world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    trainer = Trainer(cfg, model, loss_fn, volumes, device, run_dir, place, ddp)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def on_first_step(m):
+        c = census(m)
+        log.info("kernel census after the first step:\n%s", format_census(c))
+        if place.is_main:
+            _atomic_json(run_dir / CENSUS_FILE, c)
+
+    trainer.on_first_step = on_first_step
+
+    if place.is_main and not resume:
+        _atomic_json(run_dir / RUN_FILE, {
+            "config": config_dict(cfg),
+            "overrides": overrides or [],
+            "scaffold": scaffold.__version__,
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+            or platform.machine(),
+            "world_size": place.world,
+            "dataset": str(path),
+            "parameters": n_params,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        })
+    stats = StatsFile(run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0)
+    if state:
+        trainer.load_state(state)
+        del state
+
+    log.info("model: UNet3d scale %d, %s parameters, on %s (%s, determinism=%s)", cfg.scale,
+             f"{n_params:,}", device, "bf16 autocast" if trainer.amp_dtype else "fp32", cfg.determinism)
+    warm = trainer.warmup(cfg.warmup_steps)
+    if cfg.warmup_steps:
+        log.info("warm-up: %d untimed steps on a copy of the model, %.1f s", cfg.warmup_steps, warm)
+
+    try:
+        progress = trainer.fit(stats, profile=cfg.profile)
+    finally:
+        if place.is_main:
+            report.plot_run(run_dir)
+    result = {
+        "epochs": progress.epoch,
+        "optimizer_steps": progress.total_steps,
+        "best_epoch": progress.best_epoch,
+        "best_val_loss": progress.best_val_loss,
+        "final_val_dice": progress.last_val_dice,
+        "target_dice": cfg.target_dice,
+        "time_to_target_s": progress.time_to_target,
+        "target_epoch": progress.target_epoch,
+        "train_time_s": progress.train_time,
+        "dataset_s": data_seconds,
+        "warmup_s": warm,
+        "overrides": overrides or [],
+    }
+    if place.is_main:
+        _atomic_json(run_dir / RESULT_FILE, result)
+    if progress.time_to_target is not None:
+        log.info("time to target: %.2f s (val dice %.4f >= %.2f at epoch %d, %d optimizer steps); "
+                 "results in %s", progress.time_to_target, progress.last_val_dice, cfg.target_dice,
+                 progress.target_epoch, progress.total_steps, run_dir)
+    else:
+        log.info("target val dice %.2f not reached in %d epochs (last %.4f, best val loss at epoch %d, "
+                 "%d optimizer steps, %.1f s); results in %s", cfg.target_dice, progress.epoch,
+                 progress.last_val_dice, progress.best_epoch, progress.total_steps, progress.train_time,
+                 run_dir)
+    distributed.shutdown(place)
+    return result

@@ -1,0 +1,57 @@
+"""Shared helpers of the training tests: a tiny config that trains in seconds on two CPU cores."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from scaffold.config import Config
+from scaffold.stats import WALL_CLOCK, read_rows
+
+REPO = Path(__file__).resolve().parent.parent
+
+# 8³ volumes, one U-Net level, width 4: 4 volumes (3 train, 1 validation).
+TINY = [
+    "scale=3", "model.bottleneck=2", "model.base_width=4", "model.groups=2",
+    "data.n_categories=2", "data.n_instances=6", "data.workers=1", "warmup_steps=1",
+    "progress=false", "device=cpu",
+]
+
+
+def tiny_cfg(cache_dir: Path, *overrides: str):
+    cfg = OmegaConf.structured(Config)
+    for item in [*TINY, "epochs=3", f"data.cache_dir={cache_dir}", *overrides]:
+        key, value = item.split("=", 1)
+        OmegaConf.update(cfg, key, _parse(value), merge=True)
+    return cfg
+
+
+def _parse(value: str):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(f"k={value}").value()
+
+
+def cli(*args: str, cwd: Path, env: dict | None = None, module: str = "scaffold.train"):
+    """Run `python -m scaffold.train ARGS` in a subprocess; returns the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def stable_rows(csv_path: Path) -> list[dict[str, str]]:
+    """The CSV rows without the wall-clock columns (those may differ between runs)."""
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in read_rows(csv_path)]
+
+
+def params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", map_location="cpu",
+                      weights_only=False)["model"]
+
+
+def same_params(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
