@@ -78,6 +78,9 @@ def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
                 _apply(trial, key, v)
             if trial.resume is None:
                 validate(trial)
+                from scaffold.worker import check_batch, dataset_sizes
+
+                check_batch(trial, dataset_sizes(trial.data)[0])
     if int(os.environ.get("RANK", "0")) > 0:
         # Under torchrun only rank 0 decides the run directory (the worker broadcasts it); the other
         # ranks must not create directories or logs of their own.

@@ -42,6 +42,19 @@ def pick_device(name: str, place: distributed.Place) -> torch.device:
     return torch.device(name)
 
 
+def dataset_sizes(data: Any) -> tuple[int, int]:
+    """(n_train, n_val) that a data config will produce, without generating anything."""
+    from scaffold.data.volumes import split_sizes
+
+    n_volumes = data.n_categories * (data.n_instances // data.fractals_per_volume)
+    return split_sizes(n_volumes, float(data.val_fraction))
+
+
+def check_batch(cfg: Any, n_train: int) -> None:
+    if cfg.batch_size > n_train:
+        raise ConfigError(f"batch_size={cfg.batch_size}: expected at most the {n_train} training volumes")
+
+
 def check_writable(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -75,11 +88,8 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     run_dir = Path(distributed.broadcast_object(str(run_dir), place))
     check_writable(run_dir)
 
-    from scaffold.data.store import split_sizes
-
-    n_train, n_val = split_sizes(cfg.data)
-    if cfg.batch_size > n_train:
-        raise ConfigError(f"batch_size={cfg.batch_size}: expected at most the {n_train} training volumes")
+    n_train, _ = dataset_sizes(cfg.data)
+    check_batch(cfg, n_train)
     if place.world > n_train:
         raise ConfigError(f"world size {place.world}: more ranks than the {n_train} training volumes")
     state = None

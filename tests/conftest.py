@@ -10,6 +10,17 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite tests/golden/*.json from this machine's results (a deliberate act: "
+                          "say in the commit message why the numbers moved)")
+
+
+@pytest.fixture
+def update_golden(request):
+    return request.config.getoption("--update-golden")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped cleanly without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds on the 2-core CPU machine")

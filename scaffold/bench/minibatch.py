@@ -1,0 +1,145 @@
+"""Training-step benchmark: `python -m scaffold.bench.minibatch [--scale 7] [--variants ...] [--out FILE]`.
+
+Times the whole training step of the model (input built on the device, forward under bf16 autocast, loss,
+backward, gradient clip, Adam, zero grads) for several variants, side by side in one process:
+  ladder    the default: every site on its rung (Triton on CUDA where supported)
+  vendor    every site forced to the vendor op (stock eager PyTorch: cuDNN + ATen)
+  compiled  the vendor model under torch.compile (what a user gets from stock PyTorch + compile)
+Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with CUDA events;
+the table gives the median step time and the ratio to `vendor`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from scaffold import determinism
+from scaffold.config import Config, LadderConfig
+
+
+def build(variant: str, scale: int, width: int, device: torch.device, n_classes: int = 6):
+    from scaffold.model.unet import UNet3d
+
+    cfg = Config(scale=scale)
+    cfg.model.base_width = width
+    rung = "auto" if variant == "ladder" else "vendor"
+    cfg.ladder = LadderConfig(conv=rung, conv_transpose=rung, group_norm=rung)
+    determinism.seed_all(0)
+    model = UNet3d.from_config(cfg, n_classes).to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last_3d)
+    net = torch.compile(model) if variant == "compiled" else model
+    return model, net
+
+
+def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, warmup: int,
+                 device: torch.device) -> dict:
+    from scaffold.data.loader import make_input
+    from scaffold.loss import SegmentationLoss
+
+    n_classes = 6
+    model, net = build(variant, scale, width, device, n_classes)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = SegmentationLoss(torch.linspace(0.5, 2.0, n_classes)).to(device)
+    g = torch.Generator().manual_seed(0)
+    edge = 2**scale
+    masks = torch.randint(0, n_classes, (4, 1, edge, edge, edge), generator=g, dtype=torch.uint8).to(device)
+    palette = torch.rand(n_classes, 3, generator=g).to(device)
+    cuda = device.type == "cuda"
+
+    def step(i: int):
+        m = masks[i % masks.shape[0]]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = net(make_input(m, palette))
+        loss_fn(logits, m.long()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    if cuda:
+        torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    per_step = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for i in range(steps):
+                step(i)
+            b.record()
+            b.synchronize()
+            per_step.append(a.elapsed_time(b) / steps)
+        else:
+            t = time.perf_counter()
+            for i in range(steps):
+                step(i)
+            per_step.append((time.perf_counter() - t) * 1e3 / steps)
+    census = None
+    if variant != "compiled":
+        from scaffold.model.ladder import census as ladder_census
+
+        c = ladder_census(model)
+        census = {op: c[op] for op in ("conv", "conv_transpose", "group_norm", "concat")}
+    return {"variant": variant, "step_ms_median": statistics.median(per_step), "step_ms_reps": per_step,
+            "warmup_s": warm_s, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "census": census}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=int, default=None, help="default: 7 on CUDA, 4 on the CPU")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--variants", default="ladder,vendor,compiled")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default="bench_results/minibatch.json")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    determinism.configure("default")
+    scale = args.scale or (7 if cuda else 4)
+    results = []
+    for v in args.variants.split(","):
+        try:
+            results.append(time_variant(v, scale, args.width, args.steps, args.reps, args.warmup, device))
+        except Exception as e:  # keep the other variants' numbers
+            results.append({"variant": v, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
+        if cuda:
+            torch.cuda.empty_cache()
+    base = next((r["step_ms_median"] for r in results if r["variant"] == "vendor" and "error" not in r), None)
+    dev = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"training step, scale {scale} ({2**scale}³), width {args.width}, batch 1, {dev}; "
+          f"median of {args.reps} x {args.steps} steps")
+    print(f"{'variant':<10} {'step ms':>9} {'vs vendor':>10} {'peak GiB':>9}  rungs")
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']:<10} failed: {r['error']}")
+            continue
+        ratio = f"{r['step_ms_median'] / base:.2f}x" if base else "-"
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        rungs = "" if r["census"] is None else "; ".join(
+            f"{op} " + ",".join(f"{k}:{n}" for k, n in sorted(c.items())) for op, c in r["census"].items())
+        print(f"{r['variant']:<10} {r['step_ms_median']:>9.2f} {ratio:>10} {mem:>9}  {rungs}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({"scale": scale, "width": args.width, "device": dev, "results": results},
+                              indent=2) + "\n")
+    os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

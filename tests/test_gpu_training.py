@@ -1,0 +1,85 @@
+"""Training on the GPU: bitwise reproducibility at 128³, default == strict, and a step that never syncs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import params, same_params, stable_rows, tiny_cfg
+from scaffold import worker
+from scaffold.bench.determinism import probe
+from scaffold.config import LadderConfig
+from scaffold.trainer import Trainer
+
+pytestmark = pytest.mark.gpu
+
+# 128³ volumes with the default width: the real model; a small dataset (4 volumes: 3 train, 1 val).
+SCALE7 = ["scale=7", "model.bottleneck=3", "model.base_width=64", "model.groups=8", "device=cuda",
+          "epochs=2", "warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, cache):
+    run_dir = tmp_path_factory.mktemp("first")
+    worker.run(tiny_cfg(cache, *SCALE7), run_dir)
+    return run_dir
+
+
+def test_two_scale7_runs_are_bitwise_identical(first_run, cache, tmp_path):
+    worker.run(tiny_cfg(cache, *SCALE7), tmp_path)
+    assert stable_rows(tmp_path / "train_stats.csv") == stable_rows(first_run / "train_stats.csv")
+    assert same_params(params(tmp_path), params(first_run))
+
+
+def test_strict_equals_default_at_scale7(first_run, cache, tmp_path):
+    try:
+        worker.run(tiny_cfg(cache, *SCALE7, "determinism=strict"), tmp_path)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert stable_rows(tmp_path / "train_stats.csv") == stable_rows(first_run / "train_stats.csv")
+    assert same_params(params(tmp_path), params(first_run))
+
+
+def _guard_epochs(monkeypatch):
+    """Run every training epoch and evaluation under set_sync_debug_mode('error')."""
+    for name in ("train_epoch", "evaluate"):
+        real = getattr(Trainer, name)
+
+        def guarded(self, *args, _real=real, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return _real(self, *args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        monkeypatch.setattr(Trainer, name, guarded)
+
+
+def test_training_epoch_never_syncs_the_host(cache, tmp_path, monkeypatch):
+    _guard_epochs(monkeypatch)
+    worker.run(tiny_cfg(cache, *SCALE7, "epochs=1"), tmp_path)
+    assert (tmp_path / "train_stats.csv").read_text().count("\n") == 2
+
+
+def test_the_sync_guard_catches_an_item_in_the_step(cache, tmp_path, monkeypatch):
+    real = Trainer.step
+
+    def step_with_item(self, *args, **kwargs):
+        loss, dice = real(self, *args, **kwargs)
+        loss.item()  # a host read inside the step: what the guard exists to catch
+        return loss, dice
+
+    monkeypatch.setattr(Trainer, "step", step_with_item)
+    _guard_epochs(monkeypatch)
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        worker.run(tiny_cfg(cache, "scale=5", "device=cuda", "epochs=1", "warmup_steps=0"), tmp_path)
+
+
+def test_probe_finds_no_variation_on_our_path_and_some_in_its_control():
+    res = probe(scale=7, repeats=3, train_steps=2, ladder=LadderConfig(), device=torch.device("cuda"))
+    assert res["varying"] == 0, res["varying_detail"]
+    assert res["control"]["distinct"] > 1
