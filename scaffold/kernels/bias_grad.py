@@ -1,0 +1,62 @@
+"""Bias gradient: db[c] = sum over (n, d, h, w) of dy[n, c, d, h, w], deterministic.
+
+Algorithm: the voxels are cut into S contiguous chunks (S a pure function of shape and device); a
+program per (channel block, chunk) accumulates its [BLOCK_M, BLOCK_C] tiles elementwise in fp32,
+reduces the tile once at the end, and writes its partial to slot s; `sum_splits` adds the slots in
+index order. dy is read through its strides (NDHWC or NCDHW alike); no atomics.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .splits import split_count, sum_splits
+
+
+@triton.jit
+def _bias_grad_kernel(g_ptr, p_ptr, M, C, CHUNK, OD, OH, OW, sgn, sgc, sgd, sgh, sgw,
+                      BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid_c = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    m_start = split * CHUNK
+    m_end = tl.minimum(m_start + CHUNK, M)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < m_end
+        ow = offs_m % OW
+        t = offs_m // OW
+        oh = t % OH
+        t = t // OH
+        od = t % OD
+        nb = t // OD
+        row = (nb.to(tl.int64) * sgn + od.to(tl.int64) * sgd + oh.to(tl.int64) * sgh
+               + ow.to(tl.int64) * sgw)
+        acc += tl.load(g_ptr + row[:, None] + offs_c[None, :].to(tl.int64) * sgc,
+                       mask=mask_m[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    total = tl.sum(acc, axis=0)
+    tl.store(p_ptr + split * C + offs_c, total.to(p_ptr.dtype.element_ty), mask=mask_c)
+
+
+def bias_grad(g: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of g (N, C, D, H, W; any strides) over all but the channel dim, as a (C,) tensor of `dtype`."""
+    n, c = g.shape[:2]
+    m = n * g.shape[2] * g.shape[3] * g.shape[4]
+    if out is None:
+        out = torch.empty(c, device=g.device, dtype=dtype)
+    block_c = min(max(triton.next_power_of_2(c), 16), 64)
+    block_m = 16 if not g.is_cuda else 128
+    steps = triton.cdiv(m, block_m)
+    s = split_count(g.device, triton.cdiv(c, block_c), steps, c, min_steps=8)
+    chunk = triton.cdiv(steps, s) * block_m
+    s = triton.cdiv(m, chunk)
+    partials = out if s == 1 else torch.empty((s, c), device=g.device, dtype=torch.float32)
+    _bias_grad_kernel[(triton.cdiv(c, block_c), s)](
+        g, partials, m, c, chunk, *g.shape[2:], *g.stride(),
+        BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+    if s > 1:
+        sum_splits(partials, out)
+    return out

@@ -1,0 +1,224 @@
+"""Triton convolution rung: conv3d and conv_transpose3d (kernel = stride) with autograd.
+
+Entry points mirror F.conv3d / F.conv_transpose3d, including autocast: when autocast is on for the
+input's device, x, weight and bias are cast to the autocast dtype (differentiably, so gradients flow
+back to fp32 master weights) and the op runs with autocast off, returning the autocast dtype, as the
+vendor op does. Outputs are channels_last_3d (NDHWC). Gradients come back in each input's dtype.
+fp32 operands multiply in IEEE fp32 (no tf32), so fp32 results match a float64 reference closely.
+
+Backward passes:
+  conv3d:           dx = transposed gather of dy (conv_fwd), dW = split-K GEMM (conv_bwd_weight),
+                    db = split reduction (bias_grad)
+  conv_transpose3d: dx = strided gather conv of dy (conv_fwd), dW = conv_bwd_weight(G = x, X = dy),
+                    db = bias_grad(dy)
+"""
+from __future__ import annotations
+
+import torch
+
+from .bias_grad import bias_grad
+from .common import triton_usable
+from .conv_bwd_weight import conv_weight_grad
+from .conv_fwd import conv_gather
+from .conv_transpose import conv_transpose_scatter
+from .tiles import conv_tile
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CL = torch.channels_last_3d
+
+
+def _out_size(size: int, k: int, s: int, p: int, d: int) -> int:
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def channels_last_weight(w: torch.Tensor) -> torch.Tensor:
+    """The weight with a unit-stride channel dim, copied (once per call; weights are small next to
+    the activations) only when neither channel dim has unit stride: the kernels read the weight in
+    place, and a contiguous (Cout, Cin, k, k, k) weight has stride 27 on Cin, which no tile can
+    load coalesced. channels_last_3d weights (what autocast keeps for an NDHWC model) pass as is."""
+    if w.stride(0) == 1 or w.stride(1) == 1:
+        return w
+    return w.contiguous(memory_format=_CL)
+
+
+def _taps(w: torch.Tensor) -> int:
+    return w.shape[2] * w.shape[3] * w.shape[4]
+
+
+def conv3d_forward(x, w, bias, stride, padding, dilation, out=None):
+    """y = conv3d(x, w, bias) as NDHWC; `out` (any strides, e.g. NaN-poisoned) is written if given."""
+    n, _, *size = x.shape
+    co, ci, *k = w.shape
+    osize = [_out_size(size[i], k[i], stride[i], padding[i], dilation[i]) for i in range(3)]
+    if out is None:
+        out = torch.empty((n, co, *osize), device=x.device, dtype=x.dtype, memory_format=_CL)
+    tile = conv_tile(x.device, x.dtype, "gather", ci, co, _taps(w))
+    # Forward: K-channel = Cin (weight dim 1), N-channel = Cout (weight dim 0).
+    w_view = (w, w.stride(1), w.stride(0), *w.stride()[2:])
+    return conv_gather(x, w_view, out, bias, tuple(k), stride, padding, dilation, False, tile)
+
+
+def conv3d_backward_data(dy, w, x_shape, stride, padding, dilation, out=None):
+    """dx of conv3d: the transposed gather of dy with the channel-swapped weight."""
+    co, ci, *k = w.shape
+    if out is None:
+        out = torch.empty(x_shape, device=dy.device, dtype=dy.dtype, memory_format=_CL)
+    tile = conv_tile(dy.device, dy.dtype, "gather", co, ci, _taps(w))
+    w_view = (w, w.stride(0), w.stride(1), *w.stride()[2:])
+    return conv_gather(dy, w_view, out, None, tuple(k), stride, padding, dilation, True, tile)
+
+
+def conv3d_backward_weight(dy, x, w_shape, dtype, stride, padding, dilation, out=None):
+    """dW of conv3d, shape w_shape, channels_last_3d, in `dtype`."""
+    if out is None:
+        out = torch.empty(w_shape, device=dy.device, dtype=dtype, memory_format=_CL)
+    co, ci, *k = w_shape
+    tile = conv_tile(dy.device, dy.dtype, "wgrad", ci, co, k[0] * k[1] * k[2])
+    return conv_weight_grad(dy, x, out, tuple(k), stride, padding, dilation, tile)
+
+
+def conv_transpose3d_forward(x, w, bias, out=None):
+    """y = conv_transpose3d(x, w, bias, stride = kernel, padding 0) as NDHWC."""
+    n, ci, *size = x.shape
+    co, k = w.shape[1], w.shape[2:]
+    if out is None:
+        shape = (n, co, *(size[i] * k[i] for i in range(3)))
+        out = torch.empty(shape, device=x.device, dtype=x.dtype, memory_format=_CL)
+    tile = conv_tile(x.device, x.dtype, "convT", ci, co, _taps(w))
+    return conv_transpose_scatter(x, w, bias, out, tile)
+
+
+def conv_transpose3d_backward_data(dy, w, x_shape, out=None):
+    """dx of the transposed conv: a gather conv of dy, kernel = stride, with weight (Cin, Cout, …)
+    read as out-channel = Cin (dim 0), K-channel = Cout (dim 1)."""
+    ci, co, *k = w.shape
+    if out is None:
+        out = torch.empty(x_shape, device=dy.device, dtype=dy.dtype, memory_format=_CL)
+    tile = conv_tile(dy.device, dy.dtype, "gather", co, ci, _taps(w))
+    w_view = (w, w.stride(1), w.stride(0), *w.stride()[2:])
+    k = tuple(k)
+    return conv_gather(dy, w_view, out, None, k, k, (0, 0, 0), (1, 1, 1), False, tile)
+
+
+def conv_transpose3d_backward_weight(dy, x, w_shape, dtype, out=None):
+    """dW (Cin, Cout, kd, kh, kw) of the transposed conv: the conv weight gradient with G = x, X = dy."""
+    if out is None:
+        out = torch.empty(w_shape, device=dy.device, dtype=dtype, memory_format=_CL)
+    ci, co, *k = w_shape
+    k = tuple(k)
+    tile = conv_tile(dy.device, dy.dtype, "wgrad", co, ci, k[0] * k[1] * k[2])
+    return conv_weight_grad(x, dy, out, k, k, (0, 0, 0), (1, 1, 1), tile)
+
+
+class _Conv3dFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, stride, padding, dilation):
+        w = channels_last_weight(w)
+        ctx.save_for_backward(x, w)
+        ctx.geometry = (stride, padding, dilation)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return conv3d_forward(x, w, bias, stride, padding, dilation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        stride, padding, dilation = ctx.geometry
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = conv3d_backward_data(dy, w, x.shape, stride, padding, dilation)
+        if ctx.needs_input_grad[1]:
+            dw = conv3d_backward_weight(dy, x, w.shape, w.dtype, stride, padding, dilation)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = bias_grad(dy, ctx.bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+class _ConvTranspose3dFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias):
+        w = channels_last_weight(w)
+        ctx.save_for_backward(x, w)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return conv_transpose3d_forward(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = conv_transpose3d_backward_data(dy, w, x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = conv_transpose3d_backward_weight(dy, x, w.shape, w.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = bias_grad(dy, ctx.bias_dtype)
+        return dx, dw, db
+
+
+def _autocast_inputs(x, w, bias):
+    """Cast as autocast casts F.conv3d's inputs; returns (x, w, bias, autocast_was_on)."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return x, w, bias, False
+    dt = torch.get_autocast_dtype(kind)
+    cast = (lambda t: t if t is None or not t.is_floating_point() else t.to(dt))
+    return cast(x), cast(w), cast(bias), True
+
+
+def conv3d(x, weight, bias, stride, padding, dilation) -> torch.Tensor:
+    """F.conv3d(x, weight, bias, stride, padding, dilation) on the Triton rung (groups = 1)."""
+    x, weight, bias, autocast_on = _autocast_inputs(x, weight, bias)
+    geometry = (tuple(stride), tuple(padding), tuple(dilation))
+    if not autocast_on:
+        return _Conv3dFn.apply(x, weight, bias, *geometry)
+    with torch.autocast(x.device.type, enabled=False):
+        return _Conv3dFn.apply(x, weight, bias, *geometry)
+
+
+def conv_transpose3d(x, weight, bias, stride) -> torch.Tensor:
+    """F.conv_transpose3d(x, weight, bias, stride) for kernel == stride, padding 0, output_padding 0."""
+    if tuple(weight.shape[2:]) != tuple(stride):
+        raise ValueError(f"conv_transpose3d: kernel {tuple(weight.shape[2:])} must equal stride "
+                         f"{tuple(stride)}")
+    x, weight, bias, autocast_on = _autocast_inputs(x, weight, bias)
+    if not autocast_on:
+        return _ConvTranspose3dFn.apply(x, weight, bias)
+    with torch.autocast(x.device.type, enabled=False):
+        return _ConvTranspose3dFn.apply(x, weight, bias)
+
+
+def _common_ok(x, weight, bias, groups) -> bool:
+    if groups != 1 or x.dim() != 5 or weight.dim() != 5:
+        return False
+    if not triton_usable(x) or weight.device != x.device:
+        return False
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        return False
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        return False
+    if bias is not None and (bias.dim() != 1 or bias.device != x.device or bias.dtype not in _DTYPES):
+        return False
+    return x.numel() > 0 and x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4] < 2**31
+
+
+def conv3d_supported(x, weight, bias, stride, padding, dilation, groups) -> bool:
+    """True when conv3d(...) runs on Triton here: a pure function of device, dtype and shape."""
+    if not _common_ok(x, weight, bias, groups) or weight.shape[1] != x.shape[1]:
+        return False
+    if bias is not None and bias.shape[0] != weight.shape[0]:
+        return False
+    if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0:
+        return False
+    k = weight.shape[2:]
+    out = [_out_size(x.shape[2 + i], k[i], stride[i], padding[i], dilation[i]) for i in range(3)]
+    return min(out) > 0
+
+
+def conv_transpose3d_supported(x, weight, bias, stride, padding, output_padding, groups,
+                               dilation) -> bool:
+    """True when conv_transpose3d(...) runs on Triton: kernel == stride, no padding, dilation 1."""
+    if not _common_ok(x, weight, bias, groups) or weight.shape[0] != x.shape[1]:
+        return False
+    if bias is not None and bias.shape[0] != weight.shape[1]:
+        return False
+    return (tuple(weight.shape[2:]) == tuple(stride) and tuple(padding) == (0, 0, 0)
+            and tuple(output_padding) == (0, 0, 0) and tuple(dilation) == (1, 1, 1))

@@ -1,0 +1,42 @@
+"""Deterministic split reductions: how many splits a reduction gets, and their fixed-order sum.
+
+A long reduction (over every voxel of a volume) is cut into S contiguous chunks; each program writes
+its chunk's fp32 partial to its own slot, and a second kernel adds the S slots in index order
+0, 1, …, S-1. No floating-point atomics anywhere, so the bits never depend on scheduling. S is a pure
+function of the shape and the device's multiprocessor count.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import sm_count
+
+
+def split_count(device: torch.device, tiles: int, steps: int, partial_elems: int,
+                min_steps: int = 4, max_bytes: int = 1 << 30) -> int:
+    """Splits for `tiles` output tiles whose reduction takes `steps` block steps: enough programs to
+    fill the device about twice over, each still doing at least `min_steps` steps, and the fp32
+    partials (S × partial_elems) within max_bytes."""
+    want = triton.cdiv(2 * sm_count(device), max(tiles, 1))
+    s = min(want, max(steps // min_steps, 1), max(max_bytes // (4 * max(partial_elems, 1)), 1))
+    return max(int(s), 1)
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, out_ptr, S, L, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < L
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, S):  # fixed order: the reason this kernel exists
+        acc += tl.load(p_ptr + s * L + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_splits(partials: torch.Tensor, out_flat: torch.Tensor) -> torch.Tensor:
+    """out_flat[l] = sum over s, in order, of partials[s, l] (fp32), cast to out_flat's dtype."""
+    s, length = partials.shape
+    block = 256 if partials.is_cuda else 64
+    _sum_splits_kernel[(triton.cdiv(length, block),)](partials, out_flat, s, length, BLOCK=block)
+    return out_flat

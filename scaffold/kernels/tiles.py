@@ -1,0 +1,96 @@
+"""Frozen tile configurations for the convolution kernels, keyed by (arch, dtype, op, shape class).
+
+Tiles are chosen by table lookup, never by timing at run time, so the bits a run produces depend only
+on (device, dtype, shape). `scripts/tune_conv.py` times candidates offline on a GPU and rewrites the
+TABLE block below; anything missing falls back to `heuristic_tile`.
+
+Ops: 'gather' (forward and backward-data), 'wgrad' (backward-weight), 'convT' (transposed forward).
+Shape classes (see `shape_class`): 'flat' (Cin < 16: the RGB stem), 'narrow' (Cout <= 16: the
+head, the stem's backward-data),
+'small' (output channels < 128), 'wide' (the rest).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+
+def shape_class(cin: int, cout: int, taps: int) -> str:
+    """The table's coarse shape key: which regime of the GEMM a conv site is in."""
+    if cin < 16:
+        return "flat"
+    if cout <= 16:
+        return "narrow"
+    if cout < 128:
+        return "small"
+    return "wide"
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+# BEGIN TABLE (written by scripts/tune_conv.py; keys: arch|dtype|op|class)
+TABLE: dict[str, tuple] = {
+    "sm90|bf16|convT|small": (128, 64, 64, 8, 3, 8),
+    "sm90|bf16|convT|wide": (128, 256, 64, 8, 3, 8),
+    "sm90|bf16|gather|flat": (128, 64, 16, 4, 4, 8),
+    "sm90|bf16|gather|narrow": (128, 16, 32, 4, 4, 8),
+    "sm90|bf16|gather|small": (64, 64, 64, 4, 4, 8),
+    "sm90|bf16|gather|wide": (128, 128, 64, 8, 3, 8),
+    "sm90|bf16|wgrad|flat": (64, 32, 64, 4, 3, 8),
+    "sm90|bf16|wgrad|narrow": (64, 64, 64, 4, 4, 8),
+    "sm90|bf16|wgrad|small": (64, 64, 64, 4, 4, 8),
+    "sm90|bf16|wgrad|wide": (128, 128, 64, 8, 3, 8),
+}
+# END TABLE
+
+
+def heuristic_tile(arch: str, dtype: torch.dtype, op: str, cls: str) -> Tile:
+    """Defaults from the Hopper guidance: 128×128(256)×64 tiles with 8 warps for the big GEMMs,
+    narrow N for the stem and head; small tiles under the CPU interpreter (its cost is per block)."""
+    if arch == "cpu":
+        return Tile(32, 16, 16, num_warps=4, num_stages=1, group_m=4)
+    wide = dtype != torch.float32
+    bk = 64 if wide else 32
+    if op == "wgrad":
+        if cls == "flat":
+            return Tile(64, 64, 32, num_warps=4, num_stages=3)  # block_m: Cout, block_n: taps*Cin
+        return Tile(128, 128, bk, num_warps=8, num_stages=3)  # block_k: the voxel reduction
+    if cls == "flat":
+        return Tile(128, 64, 32, num_warps=4, num_stages=3)
+    if cls == "narrow":
+        return Tile(128, 16, bk, num_warps=4, num_stages=3)
+    if cls == "small":
+        return Tile(128, 64, bk, num_warps=4, num_stages=4)
+    return Tile(128, 128, bk, num_warps=8, num_stages=3)
+
+
+# Set only by the offline tuner (scripts/tune_conv.py) while it times candidates: op -> Tile.
+FORCED: dict[str, Tile] = {}
+
+
+def conv_tile(device: torch.device, dtype: torch.dtype, op: str, cin: int, cout: int,
+              taps: int) -> Tile:
+    """The tile for one launch: the frozen table entry if any, else the heuristic."""
+    from .common import arch_key
+
+    if op in FORCED:
+        return FORCED[op]
+    arch = arch_key(device)
+    cls = shape_class(cin, cout, taps)
+    entry = TABLE.get(f"{arch}|{dtype_key(dtype)}|{op}|{cls}")
+    if entry is not None:
+        return Tile(*entry)
+    return heuristic_tile(arch, dtype, op, cls)

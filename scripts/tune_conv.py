@@ -1,0 +1,132 @@
+"""Offline tuner for the conv tile table (run on the GPU the table is for).
+
+    python scripts/tune_conv.py --scale 7 [--sites stem,head] [--out tiles.json] [--write]
+
+For every distinct conv site of the model and each direction it times each candidate tile with
+triton.testing.do_bench (median), sums the times per table key (arch|dtype|op|shape class, each
+site weighted by its count in the model) and keeps the fastest candidate per key. --write rewrites
+the TABLE block of scaffold/kernels/tiles.py (temp file + rename); the run-time path never times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+
+import torch
+
+from scaffold.bench.conv import distinct_sites, model_sites, site_tensors, time_ms, triton_calls
+from scaffold.kernels import tiles
+from scaffold.kernels.common import arch_key
+from scaffold.kernels.tiles import Tile, dtype_key, shape_class
+
+CANDIDATES = {
+    "flat": [Tile(128, 64, 32, 4, 3), Tile(128, 64, 16, 4, 4), Tile(64, 64, 32, 4, 3),
+             Tile(256, 64, 32, 8, 3), Tile(128, 32, 32, 4, 3)],
+    "narrow": [Tile(128, 16, 64, 4, 3), Tile(64, 16, 64, 4, 3), Tile(256, 16, 64, 8, 3),
+             Tile(128, 16, 32, 4, 4)],
+    "small": [Tile(128, 64, 64, 4, 4), Tile(128, 64, 64, 8, 3), Tile(128, 128, 64, 8, 3),
+              Tile(64, 64, 64, 4, 4), Tile(256, 64, 64, 8, 3)],
+    "wide": [Tile(128, 128, 64, 8, 3), Tile(128, 128, 64, 8, 4), Tile(128, 256, 64, 8, 3),
+             Tile(128, 64, 64, 4, 4), Tile(64, 128, 64, 4, 4)],
+}
+WGRAD = {
+    "flat": [Tile(64, 32, 64, 4, 3), Tile(64, 64, 64, 4, 3), Tile(64, 64, 32, 4, 4),
+             Tile(64, 128, 64, 8, 3)],
+    "default": [Tile(128, 128, 64, 8, 3), Tile(64, 128, 64, 4, 3), Tile(128, 64, 64, 4, 3),
+                Tile(128, 128, 32, 8, 4), Tile(64, 64, 64, 4, 4)],
+}
+
+
+def site_ops(site) -> dict:
+    """direction -> (table op, shape class) as the launchers look them up."""
+    taps = site.k ** 3
+    if site.kind == "convT":
+        return {"fwd": ("convT", shape_class(site.cin, site.cout, taps)),
+                "bwd_data": ("gather", shape_class(site.cout, site.cin, taps)),
+                "bwd_weight": ("wgrad", shape_class(site.cout, site.cin, taps))}
+    return {"fwd": ("gather", shape_class(site.cin, site.cout, taps)),
+            "bwd_data": ("gather", shape_class(site.cout, site.cin, taps)),
+            "bwd_weight": ("wgrad", shape_class(site.cin, site.cout, taps))}
+
+
+def candidates(op: str, cls: str) -> list:
+    if op == "wgrad":
+        return WGRAD["flat" if cls == "flat" else "default"]
+    return CANDIDATES[cls]
+
+
+def tune(scale: int, names=None, log=print) -> dict:
+    arch, dt = arch_key(torch.device("cuda")), torch.bfloat16
+    sums: dict[str, list[float]] = {}
+    for site, count in distinct_sites(model_sites(scale)):
+        if names and not any(n in site.name for n in names):
+            continue
+        x, w, b, dy = site_tensors(site)
+        calls = triton_calls(site, x, w, b, dy)
+        for d, (op, cls) in site_ops(site).items():
+            key = f"{arch}|{dtype_key(dt)}|{op}|{cls}"
+            cands = candidates(op, cls)
+            acc = sums.setdefault(key, [0.0] * len(cands))
+            for i, tile in enumerate(cands):
+                tiles.FORCED[op] = tile
+                try:
+                    ms = time_ms(calls[d])
+                except Exception as e:  # a config that does not fit (shared memory) just loses
+                    ms = math.inf
+                    log(f"  {site.name} {d} {tile}: {type(e).__name__}")
+                finally:
+                    tiles.FORCED.clear()
+                acc[i] += count * ms
+                log(f"{site.name:28s} {d:10s} {key:28s} {tile}: {ms:.4f} ms")
+        del x, w, b, dy
+        torch.cuda.empty_cache()
+    table = {}
+    for key, acc in sums.items():
+        cls, op = key.split("|")[3], key.split("|")[2]
+        best = min(range(len(acc)), key=lambda i: acc[i])
+        t = candidates(op, cls)[best]
+        table[key] = [t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, t.group_m]
+        log(f"best {key}: {t} total {acc[best]:.3f} ms (candidates: "
+            + ", ".join(f"{a:.3f}" for a in acc) + ")")
+    return table
+
+
+def write_table(table: dict, path: str) -> None:
+    """Replace the TABLE block of tiles.py, atomically."""
+    src = open(path).read()
+    body = "".join(f'    "{k}": {tuple(v)},\n' for k, v in sorted(table.items()))
+    new = re.sub(r"(TABLE: dict\[str, tuple\] = \{\n).*?(\}\n# END TABLE)",
+                 lambda m: m.group(1) + body + m.group(2), src, flags=re.S)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(new)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", type=int, default=7)
+    p.add_argument("--sites", default="", help="comma-separated substrings of site names")
+    p.add_argument("--out", default="", help="write the chosen table as JSON here")
+    p.add_argument("--write", action="store_true", help="rewrite the TABLE block of tiles.py")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_conv: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    table = tune(args.scale, [n for n in args.sites.split(",") if n] or None)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(table, f, indent=1)
+    if args.write:
+        write_table(table, tiles.__file__)
+    print(json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

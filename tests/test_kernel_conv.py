@@ -1,0 +1,151 @@
+"""Triton conv kernels against float64 references (CPU interpreter at tiny shapes; CUDA if present).
+
+Small-integer operands make every product and every fp32 partial sum exact, so each direction must
+equal the float64 reference rounded once to the output dtype, bit for bit. Random operands must land
+within a stated relative error: fp32 (IEEE dots) 1e-5, bf16 outputs 1e-2 (one bf16 rounding).
+Every launcher writes into a NaN-poisoned buffer, so an unwritten element fails the comparison.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scaffold.kernels import conv as K
+from scaffold.kernels.bias_grad import bias_grad
+from scaffold.kernels.common import triton_usable
+from scaffold.kernels.reference import conv3d_ref, conv_transpose3d_ref
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if not triton_usable(torch.empty(0, device=DEV)):
+    pytest.skip("Triton cannot run here", allow_module_level=True)
+
+CL = torch.channels_last_3d
+# (N, Cin, Cout, spatial, kernel, stride, padding, dilation, bias, channels_last, dtype)
+CONV_CASES = [
+    pytest.param(2, 4, 7, (5, 3, 7), 3, 1, 1, 1, False, True, torch.float32, id="flat-prime-fp32"),
+    pytest.param(1, 3, 6, (5, 3, 7), 3, 2, 1, 1, True, False, torch.bfloat16, id="stem-stride2-bf16"),
+    pytest.param(1, 4, 6, (5, 4, 5), 3, 1, 2, 2, False, True, torch.float32, id="dilation2-fp32"),
+    pytest.param(1, 20, 17, (3, 5, 3), 3, 1, 1, 1, True, True, torch.bfloat16, id="blocks-bf16"),
+    pytest.param(1, 18, 16, (5, 3, 4), 3, 2, 1, 1, False, False, torch.float32, id="blocks-stride2"),
+    pytest.param(2, 16, 6, (3, 3, 5), 1, 1, 0, 1, True, False, torch.float32, id="head-1x1x1-bias"),
+]
+
+
+def ints(gen, *shape, lo=-3, hi=4):
+    return torch.randint(lo, hi, shape, generator=gen).to(torch.float64)
+
+
+def poisoned(shape, dtype, channels_last=True):
+    t = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    return t.contiguous(memory_format=CL) if channels_last and len(shape) == 5 else t
+
+
+def on_dev(t, dtype, channels_last):
+    t = t.to(device=DEV, dtype=dtype)
+    return t.contiguous(memory_format=CL) if channels_last and t.dim() == 5 else t
+
+
+def rel_err(got, ref):
+    return ((got.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def run_conv_directions(x, w, b, dy, geom, dtype):
+    """Every conv launcher once, each into a NaN-poisoned buffer: (y, dx, dw, db)."""
+    stride, padding, dilation = geom
+    y = K.conv3d_forward(x, w, b, stride, padding, dilation, out=poisoned(dy.shape, dtype))
+    dx = K.conv3d_backward_data(dy, w, x.shape, stride, padding, dilation,
+                                out=poisoned(x.shape, dtype, channels_last=False))
+    dw = K.conv3d_backward_weight(dy, x, w.shape, dtype, stride, padding, dilation,
+                                  out=poisoned(w.shape, dtype))
+    db = bias_grad(dy, dtype, out=poisoned((dy.shape[1],), dtype)) if b is not None else None
+    return y, dx, dw, db
+
+
+def make_conv(gen, n, cin, cout, size, k, s, p, d, has_bias, integer):
+    x = ints(gen, n, cin, *size) if integer else torch.randn(n, cin, *size, generator=gen, dtype=torch.float64)
+    w = ints(gen, cout, cin, k, k, k) if integer else torch.randn(cout, cin, k, k, k, generator=gen, dtype=torch.float64)
+    b = (ints(gen, cout) if integer else torch.randn(cout, generator=gen, dtype=torch.float64)) if has_bias else None
+    y_shape = F.conv3d(x, w, None, s, p, d).shape
+    dy = ints(gen, *y_shape) if integer else torch.randn(*y_shape, generator=gen, dtype=torch.float64)
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("n,cin,cout,size,k,s,p,d,has_bias,cl,dtype", CONV_CASES)
+def test_conv_small_integers_bitwise(n, cin, cout, size, k, s, p, d, has_bias, cl, dtype):
+    gen = torch.Generator().manual_seed(1000 + cin * 31 + cout)
+    x, w, b, dy = make_conv(gen, n, cin, cout, size, k, s, p, d, has_bias, integer=True)
+    geom = ((s,) * 3, (p,) * 3, (d,) * 3)
+    refs = conv3d_ref(x, w, b, *geom, grad_out=dy)
+    args = [on_dev(x, dtype, cl), on_dev(w, dtype, False), None if b is None else on_dev(b, dtype, cl),
+            on_dev(dy, dtype, not cl)]  # dy in the other layout: the kernels read any strides
+    got = run_conv_directions(*args, geom, dtype)
+    for name, g, r in zip(("y", "dx", "dw", "db"), got, refs):
+        if r is None:
+            continue
+        expect = r.to(dtype).double()  # exact fp32 accumulation, one rounding to the output dtype
+        assert torch.equal(g.double().cpu(), expect), f"{name} differs from the float64 reference"
+
+
+@pytest.mark.parametrize("n,cin,cout,size,k,s,p,d,has_bias,cl,dtype", CONV_CASES[::2])
+def test_conv_random_error_bound_and_determinism(n, cin, cout, size, k, s, p, d, has_bias, cl, dtype):
+    gen = torch.Generator().manual_seed(7 + cin)
+    x, w, b, dy = make_conv(gen, n, cin, cout, size, k, s, p, d, has_bias, integer=False)
+    geom = ((s,) * 3, (p,) * 3, (d,) * 3)
+    args = [on_dev(x, dtype, cl), on_dev(w, dtype, False), None if b is None else on_dev(b, dtype, cl),
+            on_dev(dy, dtype, cl)]
+    # The reference sees the same rounded operands the kernel sees.
+    refs = conv3d_ref(*[None if a is None else a.double().cpu() for a in args[:3]], *geom,
+                      grad_out=args[3].double().cpu())
+    first = run_conv_directions(*args, geom, dtype)
+    second = run_conv_directions(*args, geom, dtype)
+    bound = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, g1, g2, r in zip(("y", "dx", "dw", "db"), first, second, refs):
+        if r is None:
+            continue
+        assert torch.equal(g1, g2), f"{name}: two calls differ"
+        assert rel_err(g1, r) < bound, f"{name}: relative error {rel_err(g1, r):.2e} >= {bound}"
+
+
+@pytest.mark.parametrize("dtype,bias,cl", [(torch.float32, True, True), (torch.bfloat16, False, False)])
+def test_conv_transpose_small_integers_bitwise(dtype, bias, cl):
+    gen = torch.Generator().manual_seed(5)
+    x = ints(gen, 2, 5, 3, 2, 5)
+    w = ints(gen, 5, 7, 2, 2, 2)
+    b = ints(gen, 7) if bias else None
+    dy = ints(gen, 2, 7, 6, 4, 10)
+    refs = conv_transpose3d_ref(x, w, b, 2, grad_out=dy)
+    xd, wd, dyd = on_dev(x, dtype, cl), on_dev(w, dtype, False), on_dev(dy, dtype, not cl)
+    bd = None if b is None else on_dev(b, dtype, False)
+    y = K.conv_transpose3d_forward(xd, wd, bd, out=poisoned(dy.shape, dtype))
+    dx = K.conv_transpose3d_backward_data(dyd, wd, x.shape, out=poisoned(x.shape, dtype))
+    dw = K.conv_transpose3d_backward_weight(dyd, xd, w.shape, dtype, out=poisoned(w.shape, dtype))
+    db = bias_grad(dyd, dtype, out=poisoned((7,), dtype)) if bias else None
+    for name, g, r in zip(("y", "dx", "dw", "db"), (y, dx, dw, db), refs):
+        if r is not None:
+            assert torch.equal(g.double().cpu(), r.to(dtype).double()), f"transposed {name} differs"
+
+
+def test_conv_transpose_wide_channels_random():
+    """Cin 24 (two K blocks), Cout 6 (a column tile straddling taps), random fp32."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 24, 3, 2, 3, generator=gen, dtype=torch.float64)
+    w = torch.randn(24, 6, 2, 2, 2, generator=gen, dtype=torch.float64)
+    b = torch.randn(6, generator=gen, dtype=torch.float64)
+    dy = torch.randn(1, 6, 6, 4, 6, generator=gen, dtype=torch.float64)
+    refs = conv_transpose3d_ref(x, w, b, 2, grad_out=dy)
+    f = lambda t: t.to(device=DEV, dtype=torch.float32)  # noqa: E731
+    y = K.conv_transpose3d_forward(f(x), f(w), f(b), out=poisoned(dy.shape, torch.float32))
+    dx = K.conv_transpose3d_backward_data(f(dy), f(w), x.shape)
+    dw = K.conv_transpose3d_backward_weight(f(dy), f(x), w.shape, torch.float32)
+    db = bias_grad(f(dy), torch.float32)
+    for name, g, r in zip(("y", "dx", "dw", "db"), (y, dx, dw, db), refs):
+        assert rel_err(g, r) < 1e-5, f"transposed {name}: relative error {rel_err(g, r):.2e}"
+
+
+def test_bias_grad_many_splits_fixed_order():
+    """A long reduction cut into several splits: exact on integers, identical across calls."""
+    gen = torch.Generator().manual_seed(3)
+    dy = ints(gen, 2, 5, 9, 8, 7)
+    got = bias_grad(dy.float().to(DEV), torch.float32, out=poisoned((5,), torch.float32))
+    assert torch.equal(got.double().cpu(), dy.sum(dim=(0, 2, 3, 4)))
+    r = torch.randn(2, 5, 9, 8, 7, generator=gen).to(DEV)
+    assert torch.equal(bias_grad(r, torch.float32), bias_grad(r, torch.float32))

@@ -1,0 +1,104 @@
+"""The conv rung's entry points: autograd against F.conv3d / F.conv_transpose3d, autocast casting,
+NDHWC outputs and the *_supported predicates."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scaffold.kernels import conv as K
+from scaffold.kernels.common import triton_usable
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if not triton_usable(torch.empty(0, device=DEV)):
+    pytest.skip("Triton cannot run here", allow_module_level=True)
+CL = torch.channels_last_3d
+
+
+def leaves(gen, *shapes, dtype=torch.float32):
+    return [torch.randn(*s, generator=gen).to(DEV, dtype).requires_grad_() for s in shapes]
+
+
+def grads_of(fn, tensors, dy):
+    for t in tensors:
+        t.grad = None
+    out = fn(*tensors)
+    out.backward(dy)
+    return out.detach(), [t.grad.clone() for t in tensors]
+
+
+def close(a, b, tol):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item() < tol
+
+
+def test_conv3d_autograd_matches_torch():
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = leaves(gen, (1, 5, 4, 3, 5), (6, 5, 3, 3, 3), (6,))
+    dy = torch.randn(1, 6, 4, 3, 5, generator=gen).to(DEV)
+    geom = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
+    y, g = grads_of(lambda *a: K.conv3d(*a, *geom), (x, w, b), dy)
+    y_ref, g_ref = grads_of(lambda *a: F.conv3d(*a, *geom), (x, w, b), dy)
+    assert y.is_contiguous(memory_format=CL)
+    assert close(y, y_ref, 1e-5)
+    for name, a, r in zip(("dx", "dw", "db"), g, g_ref):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        assert close(a, r, 1e-5), name
+
+
+def test_conv_transpose3d_autograd_matches_torch():
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = leaves(gen, (2, 4, 2, 3, 2), (4, 3, 2, 2, 2), (3,))
+    x2 = x.detach().contiguous(memory_format=CL).requires_grad_()
+    dy = torch.randn(2, 3, 4, 6, 4, generator=gen).to(DEV)
+    y, g = grads_of(lambda *a: K.conv_transpose3d(*a, (2, 2, 2)), (x2, w, b), dy)
+    y_ref, g_ref = grads_of(lambda *a: F.conv_transpose3d(*a, stride=2), (x, w, b), dy)
+    assert y.is_contiguous(memory_format=CL)
+    assert close(y, y_ref, 1e-5)
+    for name, a, r in zip(("dx", "dw", "db"), g, g_ref):
+        assert close(a, r, 1e-5), name
+
+
+def test_conv3d_follows_autocast_like_vendor():
+    """Under autocast the vendor op returns the autocast dtype and fp32 leaves get fp32 grads."""
+    gen = torch.Generator().manual_seed(2)
+    x, w, b = leaves(gen, (1, 3, 3, 5, 4), (6, 3, 1, 1, 1), (6,))
+    geom = ((1, 1, 1), (0, 0, 0), (1, 1, 1))
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        y = K.conv3d(x, w, b, *geom)
+        y_ref = F.conv3d(x, w, b, *geom)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
+    assert close(y, y_ref, 1e-2)
+
+
+def test_conv_transpose3d_follows_autocast():
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = leaves(gen, (1, 4, 2, 2, 2), (4, 3, 2, 2, 2), (3,))
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        y = K.conv_transpose3d(x, w, b, (2, 2, 2))
+        y_ref = F.conv_transpose3d(x, w, b, stride=2)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    assert close(y, y_ref, 1e-2)
+
+
+def test_supported_predicates():
+    x = torch.zeros(1, 4, 3, 3, 3, device=DEV)
+    w = torch.zeros(6, 4, 3, 3, 3, device=DEV)
+    one, zero = (1, 1, 1), (0, 0, 0)
+    assert K.conv3d_supported(x, w, None, one, one, one, 1)
+    assert not K.conv3d_supported(x, w, None, one, one, one, 2)
+    assert not K.conv3d_supported(x[0], w, None, one, one, one, 1)
+    assert not K.conv3d_supported(x.double(), w.double(), None, one, one, one, 1)
+    assert not K.conv3d_supported(x, w[:, :3], None, one, one, one, 1)
+    assert not K.conv3d_supported(x, w, torch.zeros(5, device=DEV), one, one, one, 1)
+    wt = torch.zeros(4, 6, 2, 2, 2, device=DEV)
+    two = (2, 2, 2)
+    assert K.conv_transpose3d_supported(x, wt, None, two, zero, zero, 1, one)
+    assert not K.conv_transpose3d_supported(x, wt, None, one, zero, zero, 1, one)
+    assert not K.conv_transpose3d_supported(x, wt, None, two, one, zero, 1, one)
+    assert not K.conv_transpose3d_supported(x, wt, None, two, zero, one, 1, one)
+
+
+def test_conv_transpose3d_rejects_kernel_not_stride():
+    x = torch.zeros(1, 4, 2, 2, 2, device=DEV)
+    with pytest.raises(ValueError, match="kernel .* must equal stride"):
+        K.conv_transpose3d(x, torch.zeros(4, 3, 3, 3, 3, device=DEV), None, (2, 2, 2))
