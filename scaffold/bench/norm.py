@@ -1,0 +1,261 @@
+"""GroupNorm(+ReLU) and skip-concat sites of the U-Net: Triton against ATen eager and torch.compile.
+
+    python -m scaffold.bench.norm [--scales 7 8] [--out norm.json] [--no-compile]
+
+Every site runs as the model runs it: bf16 channels-last input, bf16 autocast, 8 groups, ReLU after the
+norm. Methods, all measured in the same process on the same inputs:
+  aten         F.group_norm then F.relu (autocast runs group_norm in fp32: fp32 output)
+  compile      the same two calls through torch.compile
+  triton       scaffold.kernels.groupnorm.group_norm (fp32 output, like ATen)
+  triton_bf16  the same writing bf16 (what the next convolution casts to anyway), so dy is bf16 too
+Forward is timed with autograd recording (as in training); backward is the gradient of x, weight and bias.
+Each number is the median over repetitions with the L2 cache flushed before each. Achieved bandwidth
+counts the fewest bytes each direction must move (each input read once, each output written once)
+against the 4.8 TB/s of an H200. Concat sites: torch.cat then the cast to bf16 (stock autocast: cat
+promotes to fp32, the consumer casts) against one Triton kernel, forward and backward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+PEAK_BYTES_PER_S = 4.8e12
+GROUPS = 8
+EPS = 1e-5
+BASE_WIDTH = 64
+BOTTLENECK = 3
+CL = torch.channels_last_3d
+
+
+def norm_sites(scale: int) -> list[dict]:
+    """Distinct GroupNorm shapes of the model and how many sites have each: two per DoubleConv, a
+    DoubleConv per level on the way down and on the way up, the bottleneck's only once."""
+    levels = scale - BOTTLENECK
+    return [dict(channels=BASE_WIDTH * 2**i, edge=2 ** (scale - i), count=4 if i < levels else 2)
+            for i in range(levels + 1)]
+
+
+def concat_sites(scale: int) -> list[dict]:
+    """One skip concat per Up block: the skip (width w) and the upsampled tensor (also w) at one edge."""
+    levels = scale - BOTTLENECK
+    return [dict(channels=BASE_WIDTH * 2**i, edge=2 ** (scale - i), count=1) for i in range(levels)]
+
+
+_FLUSH: dict[str, torch.Tensor] = {}
+
+
+def median_ms(fn, budget_ms: float = 400.0, min_reps: int = 5, max_reps: int = 50) -> float:
+    """Median time of fn() in ms: warmed up, L2 flushed before each repetition, CUDA events (a host
+    clock on the CPU, where this only serves as a smoke test)."""
+    if not torch.cuda.is_available():
+        fn()
+        times = []
+        for _ in range(min_reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    flush = _FLUSH.setdefault("buf", torch.empty(64 * 2**20, dtype=torch.int32, device="cuda"))
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    reps = int(min(max_reps, max(min_reps, budget_ms / max(start.elapsed_time(end), 1e-3))))
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _aten(x, w, b):
+    return F.relu(F.group_norm(x, GROUPS, w, b, EPS), inplace=True)
+
+
+def norm_methods(compile_too: bool) -> dict:
+    from scaffold.kernels.groupnorm import group_norm
+
+    methods = {
+        "aten": _aten,
+        "triton": lambda x, w, b: group_norm(x, GROUPS, w, b, EPS, True),
+        "triton_bf16": lambda x, w, b: group_norm(x, GROUPS, w, b, EPS, True, out_dtype=torch.bfloat16),
+    }
+    if compile_too:
+        for key in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, key):
+                setattr(torch._dynamo.config, key, 256)
+        methods["compile"] = torch.compile(_aten, dynamic=False)
+    return methods
+
+
+def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
+    C, edge = site["channels"], site["edge"]
+    g = torch.Generator(device=_device()).manual_seed(seed)
+    x = torch.randn((1, C, edge, edge, edge), generator=g, device=_device()).to(torch.bfloat16)
+    x = x.contiguous(memory_format=CL).requires_grad_()
+    w = (1 + 0.1 * torch.randn(C, generator=g, device=_device())).requires_grad_()
+    b = (0.1 * torch.randn(C, generator=g, device=_device())).requires_grad_()
+    elems = x.numel()
+    row = dict(site)
+    for name, fn in methods.items():
+        try:
+            with torch.autocast(_device(), dtype=torch.bfloat16):
+                y = fn(x, w, b)
+            dy = torch.randn(y.shape, generator=g, device=_device(), dtype=y.dtype)
+            dy = dy.contiguous(memory_format=CL)
+
+            def fwd():
+                with torch.autocast(_device(), dtype=torch.bfloat16):
+                    fn(x, w, b)
+
+            def bwd():
+                torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+
+            fwd_ms, bwd_ms = median_ms(fwd), median_ms(bwd)
+            out_bytes = y.element_size()
+            # Fewest bytes: forward reads x, writes y; backward reads x and dy, writes dx.
+            floor_bytes = elems * (2 + out_bytes) + elems * (2 + out_bytes + 2)
+            row[name] = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, total_ms=fwd_ms + bwd_ms,
+                             floor_ms=floor_bytes / PEAK_BYTES_PER_S * 1e3,
+                             tb_per_s=floor_bytes / ((fwd_ms + bwd_ms) * 1e-3) / 1e12)
+            del y, dy
+        except Exception as exc:  # one failing method must not lose the others
+            row[name] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    return row
+
+
+def bench_concat_site(site: dict, seed: int = 0) -> dict:
+    from scaffold.kernels.concat import concat_channels
+
+    C, edge = site["channels"], site["edge"]
+    g = torch.Generator(device=_device()).manual_seed(seed)
+    shape = (1, C, edge, edge, edge)
+
+    def make(dtype):
+        t = torch.randn(shape, generator=g, device=_device()).to(dtype).contiguous(memory_format=CL)
+        return t.requires_grad_()
+
+    cases = {
+        "aten": (make(torch.float32), make(torch.bfloat16),
+                 lambda a, b: torch.cat([a, b], dim=1).to(torch.bfloat16)),
+        "triton": (make(torch.float32), make(torch.bfloat16),
+                   lambda a, b: concat_channels(a, b, torch.bfloat16)),
+        "triton_bf16_skip": (make(torch.bfloat16), make(torch.bfloat16),
+                             lambda a, b: concat_channels(a, b, torch.bfloat16)),
+    }
+    row = dict(site)
+    for name, (a, b, fn) in cases.items():
+        try:
+            out = fn(a, b)
+            dy = torch.randn(out.shape, generator=g, device=_device()).to(out.dtype)
+            dy = dy.contiguous(memory_format=CL)
+            fwd_ms = median_ms(lambda: fn(a, b))
+            bwd_ms = median_ms(lambda: torch.autograd.grad(out, (a, b), dy, retain_graph=True))
+            floor_bytes = 2 * (a.numel() * a.element_size() + b.numel() * 2 + out.numel() * 2)
+            row[name] = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, total_ms=fwd_ms + bwd_ms,
+                             floor_ms=floor_bytes / PEAK_BYTES_PER_S * 1e3,
+                             tb_per_s=floor_bytes / ((fwd_ms + bwd_ms) * 1e-3) / 1e12)
+            del out, dy
+        except Exception as exc:
+            row[name] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    return row
+
+
+def totals(rows: list[dict]) -> dict:
+    """Per method: Σ count × (fwd, bwd, total) over the sites."""
+    out: dict[str, dict] = {}
+    for row in rows:
+        for name, r in row.items():
+            if isinstance(r, dict) and "total_ms" in r:
+                t = out.setdefault(name, dict(fwd_ms=0.0, bwd_ms=0.0, total_ms=0.0, floor_ms=0.0))
+                for k in t:
+                    t[k] += row["count"] * r[k]
+    return out
+
+
+def format_table(title: str, rows: list[dict], methods: list[str]) -> str:
+    head = f"{'site':>12} {'n':>2} " + " ".join(f"{m + ' f/b ms':>24}" for m in methods)
+    lines = [title, head]
+    for row in rows + [dict(channels="total", edge="", count="", **totals(rows))]:
+        cells = []
+        for m in methods:
+            r = row.get(m, {})
+            if "total_ms" in r:
+                cells.append(f"{r['fwd_ms']:8.3f}/{r['bwd_ms']:8.3f}" +
+                             (f" {r['tb_per_s']:4.2f}TB/s" if "tb_per_s" in r else f" {' ' * 8}"))
+            else:
+                cells.append(f"{'error' if 'error' in r else '-':>26}")
+        site = f"{row['channels']}@{row['edge']}^3" if row["edge"] != "" else "total"
+        lines.append(f"{site:>12} {row['count']!s:>2} " + " ".join(f"{c:>24}" for c in cells))
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(tmp, path)
+
+
+def run(scales: list[int], compile_too: bool = True, deadline: float = float("inf")) -> dict:
+    """Benchmarks every site of each scale; sites not started by `deadline` (a time.time() value) are
+    listed as skipped, so a time-limited run still reports what it measured."""
+    methods = norm_methods(compile_too)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "scales": {}}
+    for scale in scales:
+        norm_rows, cat_rows = [], []
+        for site in norm_sites(scale):
+            timely = time.time() < deadline
+            norm_rows.append(bench_norm_site(site, methods) if timely else dict(site, skipped=True))
+            torch.cuda.empty_cache()
+        for site in concat_sites(scale):
+            timely = time.time() < deadline
+            cat_rows.append(bench_concat_site(site) if timely else dict(site, skipped=True))
+            torch.cuda.empty_cache()
+        result["scales"][scale] = dict(norm=norm_rows, norm_totals=totals(norm_rows),
+                                       concat=cat_rows, concat_totals=totals(cat_rows))
+        print(format_table(f"scale {scale}: GroupNorm+ReLU (fwd/bwd, achieved vs 4.8 TB/s)", norm_rows,
+                           list(methods)), flush=True)
+        print(format_table(f"scale {scale}: skip concat", cat_rows,
+                           ["aten", "triton", "triton_bf16_skip"]), flush=True)
+    return result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scales", type=int, nargs="+", default=[7, 8])
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    args = p.parse_args(argv)
+    bad = [s for s in args.scales if not BOTTLENECK < s <= 9]
+    if bad:
+        raise SystemExit(f"--scales {bad}: expected integers in {BOTTLENECK + 1}..9")
+    if not torch.cuda.is_available():
+        raise SystemExit("scaffold.bench.norm: needs a CUDA GPU")
+    result = run(args.scales, compile_too=not args.no_compile)
+    if args.out:
+        write_json_atomic(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The U-Net's skip concat, cat([a, b], dim=1), written once in the consumer's dtype, channels-last.
+
+Algorithm. View a, b and the output as [N·S, C] rows (S = D·H·W; strides are passed, so any layout whose
+spatial dims collapse is read in place). One program copies BLOCK_R rows: the row's Ca channels of a into
+output channels [0, Ca), then Cb channels of b into [Ca, Ca + Cb), casting to the output dtype on the way.
+Stock PyTorch under autocast does this in two or three passes (cat in the promoted dtype, then the
+convolution's cast to bf16); here it is one read of each input and one write. Casts round to nearest
+even, as torch's do, so the result is bitwise that of torch.cat(...).to(dtype).
+Backward is the reverse copy: one kernel splits the gradient into the two parts, each cast back to its
+input's dtype. Pure copies: no arithmetic, nothing to make non-deterministic.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import triton_usable
+from .groupnorm import MAX_CHANNELS, _flat, cast_rne
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TILE = 8192  # elements per half-tile: 16-32 KB in flight per program, enough to stream
+
+
+@triton.jit
+def _rows(r0, S, BLOCK_R: tl.constexpr):
+    r = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    return r // S, r % S
+
+
+@triton.jit
+def _copy_part(src_ptr, dst_ptr, n, s, rmask, C, c_dst0, s_sn, s_ss, s_sc, d_sn, d_ss, d_sc,
+               BLOCK_C: tl.constexpr):
+    c = tl.arange(0, BLOCK_C).to(tl.int64)
+    mask = rmask[:, None] & (c < C)[None, :]
+    src = src_ptr + (n * s_sn + s * s_ss)[:, None] + c[None, :] * s_sc
+    dst = dst_ptr + (n * d_sn + s * d_ss)[:, None] + (c_dst0 + c)[None, :] * d_sc
+    v = tl.load(src, mask=mask)
+    tl.store(dst, cast_rne(v, dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _concat_kernel(a_ptr, b_ptr, o_ptr, rows, S, CA, CB, a_sn, a_ss, a_sc, b_sn, b_ss, b_sc,
+                   o_sn, o_ss, o_sc, BLOCK_R: tl.constexpr, BLOCK_CA: tl.constexpr,
+                   BLOCK_CB: tl.constexpr):
+    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    n, s = _rows(r0, S, BLOCK_R)
+    rmask = r0 + tl.arange(0, BLOCK_R) < rows
+    _copy_part(a_ptr, o_ptr, n, s, rmask, CA, 0, a_sn, a_ss, a_sc, o_sn, o_ss, o_sc, BLOCK_CA)
+    _copy_part(b_ptr, o_ptr, n, s, rmask, CB, CA, b_sn, b_ss, b_sc, o_sn, o_ss, o_sc, BLOCK_CB)
+
+
+@triton.jit
+def _split_kernel(g_ptr, ga_ptr, gb_ptr, rows, S, CA, CB, g_sn, g_ss, g_sc, a_sn, a_ss, a_sc,
+                  b_sn, b_ss, b_sc, BLOCK_R: tl.constexpr, BLOCK_CA: tl.constexpr,
+                  BLOCK_CB: tl.constexpr):
+    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    n, s = _rows(r0, S, BLOCK_R)
+    rmask = r0 + tl.arange(0, BLOCK_R) < rows
+    # Reading channels [CA, CA+CB) of g: shift the base pointer, then copy to channel 0 of gb.
+    _copy_part(g_ptr, ga_ptr, n, s, rmask, CA, 0, g_sn, g_ss, g_sc, a_sn, a_ss, a_sc, BLOCK_CA)
+    _copy_part(g_ptr + CA * g_sc, gb_ptr, n, s, rmask, CB, 0, g_sn, g_ss, g_sc, b_sn, b_ss, b_sc,
+               BLOCK_CB)
+
+
+def _geometry(N: int, S: int, ca: int, cb: int):
+    block_ca = triton.next_power_of_2(ca)
+    block_cb = triton.next_power_of_2(cb)
+    block_r = max(1, _TILE // max(block_ca, block_cb))
+    return (triton.cdiv(N * S, block_r),), dict(BLOCK_R=block_r, BLOCK_CA=block_ca, BLOCK_CB=block_cb)
+
+
+def _channels_last(shape, dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device, memory_format=torch.channels_last_3d)
+
+
+def concat_forward(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """cat([a, b], dim=1) in `dtype`, channels-last (or into `out`, any layout with collapsible D, H, W)."""
+    N, ca = a.shape[:2]
+    cb = b.shape[1]
+    S = a[0, 0].numel()
+    if out is None:
+        out = _channels_last((N, ca + cb) + tuple(a.shape[2:]), dtype, a.device)
+    a, sa = _flat(a)
+    b, sb = _flat(b)
+    out, so = _flat(out)
+    grid, meta = _geometry(N, S, ca, cb)
+    _concat_kernel[grid](a, b, out, N * S, S, ca, cb, *sa, *sb, *so, **meta, num_warps=4)
+    return out
+
+
+def split_backward(g: torch.Tensor, ca: int, a_dtype: torch.dtype, b_dtype: torch.dtype):
+    """The gradient of cat([a, b], dim=1) split into (grad a, grad b), channels-last, in each dtype."""
+    N, C = g.shape[:2]
+    cb = C - ca
+    S = g[0, 0].numel()
+    ga = _channels_last((N, ca) + tuple(g.shape[2:]), a_dtype, g.device)
+    gb = _channels_last((N, cb) + tuple(g.shape[2:]), b_dtype, g.device)
+    g, sg = _flat(g)
+    grid, meta = _geometry(N, S, ca, cb)
+    _split_kernel[grid](g, ga, gb, N * S, S, ca, cb, *sg, *_flat(ga)[1], *_flat(gb)[1], **meta,
+                        num_warps=4)
+    return ga, gb
+
+
+@torch.library.custom_op("scaffold::concat_channels", mutates_args=())
+def concat_op(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return concat_forward(a, b, dtype)
+
+
+@concat_op.register_fake
+def _(a, b, dtype):
+    return _channels_last((a.shape[0], a.shape[1] + b.shape[1]) + tuple(a.shape[2:]), dtype, a.device)
+
+
+@torch.library.custom_op("scaffold::split_channels", mutates_args=())
+def split_op(g: torch.Tensor, ca: int, a_dtype: torch.dtype,
+             b_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return split_backward(g, ca, a_dtype, b_dtype)
+
+
+@split_op.register_fake
+def _(g, ca, a_dtype, b_dtype):
+    rest = tuple(g.shape[2:])
+    return (_channels_last((g.shape[0], ca) + rest, a_dtype, g.device),
+            _channels_last((g.shape[0], g.shape[1] - ca) + rest, b_dtype, g.device))
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, _dtype = inputs
+    ctx.ca = a.shape[1]
+    ctx.dtypes = (a.dtype, b.dtype)
+
+
+def _backward(ctx, g):
+    ga, gb = split_op(g, ctx.ca, *ctx.dtypes)
+    return ga, gb, None
+
+
+concat_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def concat_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `concat_channels` handles cat([a, b], dim=1); metadata only."""
+    return (triton_usable(a) and a.device == b.device and a.dim() == 5 and b.dim() == 5
+            and a.shape[0] == b.shape[0] and a.shape[2:] == b.shape[2:]
+            and a.dtype in _DTYPES and b.dtype in _DTYPES and a.numel() > 0 and b.numel() > 0
+            and max(a.shape[1], b.shape[1]) <= MAX_CHANNELS)
+
+
+def concat_channels(a: torch.Tensor, b: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """cat([a, b], dim=1) as a channels-last tensor in `dtype` (default: torch.cat's promoted dtype);
+    autograd-aware, each gradient part returned in its input's dtype."""
+    if not concat_supported(a, b):
+        raise ValueError(f"concat_channels: unsupported inputs a {tuple(a.shape)} {a.dtype} {a.device}, "
+                         f"b {tuple(b.shape)} {b.dtype} {b.device}: need 5-D tensors on one Triton-usable "
+                         "device with equal N, D, H, W and float dtypes")
+    dtype = torch.promote_types(a.dtype, b.dtype) if dtype is None else dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"concat_channels: dtype={dtype} must be one of {_DTYPES}")
+    return concat_op(a, b, dtype)

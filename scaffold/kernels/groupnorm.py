@@ -1,0 +1,522 @@
+"""GroupNorm with an optional fused ReLU, on NDHWC (channels-last) activations, deterministic.
+
+Algorithm. View x as [N, S, C] (S = D·H·W voxels; strides are passed, so NDHWC and plain NCDHW both
+work without a copy: only the spatial dims must collapse into one stride, otherwise x is first made
+channels-last, which costs one extra read and write of x). Channel c belongs to group c // (C/G).
+
+Forward, three launches:
+  1. partials  grid (N, splits): each program walks its run of voxels in tiles [BLOCK_S, C] and sums
+     d = x − k and d² element-wise in registers (k = the channel's value at the sample's first voxel:
+     the shift keeps Σd² − (Σd)²/n from cancelling when |mean| >> std), reduces once, and stores the
+     split's per-channel (mean, M2 = Σ(x − mean)²). Splits hold a few thousand voxels, so fp32 sums stay
+     accurate; merging (mean, M2) pairs, not raw sums, keeps 16.7M elements per group accurate too.
+  2. combine   grid (N, G): the group mean is the count-weighted mean of the partial means; then
+     M2 = Σ M2_i + n_i (mean_i − mean)² (the parallel-axis theorem), both summed in fixed order.
+  3. normalize grid (tiles, N): y = (x − mean)·(rstd·w) + b, then ReLU (NaN stays NaN, as F.relu).
+Backward, four launches: per-(split, channel) partial sums of g and g·x̂ (g = dy where y > 0 or NaN, y
+recomputed from x and the saved statistics: cheaper than storing it); per (n, group) the sums over splits
+in fixed order, and c1 = mean(g·w), c2 = mean(g·w·x̂); dweight, dbias summed over the batch in order;
+then dx = rstd·(g·w − c1 − x̂·c2).
+Bytes: forward reads x twice and writes y; backward reads x and dy twice and writes dx. No atomics:
+the split count is a pure function of (shape, device), so the bits are too.
+
+Dtypes: statistics in fp32 from the input as stored (the upcast of bf16 is exact, so no cast pass).
+On CUDA under autocast F.group_norm runs in fp32 (it is on autocast's fp32 list) and returns fp32; we
+return the same. Elsewhere the output has the input's dtype. `out_dtype` overrides this: when the
+consumer is a bf16 convolution, writing bf16 here gives it the very bits its own cast would, with half
+the bytes written here and read by the backward.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import arch_key, sm_count, triton_usable
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_CHANNELS = 8192
+
+
+# --- kernels --------------------------------------------------------------------------------------
+
+@triton.jit
+def to_f32(v):
+    """v as fp32. A bf16 value is widened by a 16-bit shift: exact, and immune to the CPU interpreter's
+    mishandling of bf16 subnormals (on the GPU this is what the conversion instruction does anyway)."""
+    if v.dtype == tl.bfloat16:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def cast_rne(v, dst: tl.constexpr):
+    """v converted to dtype `dst`, rounding to nearest even as torch does. For bf16 this is spelled out in
+    integer ops because Triton's CPU interpreter truncates instead; on the GPU it is the same rounding as
+    cvt.rn, so both give torch's bits."""
+    if v.dtype == dst:
+        return v
+    elif dst == tl.bfloat16:
+        f = to_f32(v)
+        bits = f.to(tl.uint32, bitcast=True)
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+        r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(f != f, f.to(tl.bfloat16), r)  # NaN: keep it NaN (the sum could carry into Inf)
+    else:
+        return to_f32(v).to(dst)
+
+
+@triton.jit
+def _tile_ptrs(base, s0, end, C, s_s, s_c, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = s0 + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < end)[:, None] & (cols < C)[None, :]
+    offs = rows.to(tl.int64)[:, None] * s_s + cols.to(tl.int64)[None, :] * s_c
+    return base + offs, mask
+
+
+@triton.jit
+def _fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn, x_ss, x_sc,
+                         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    n = tl.program_id(0)
+    split = tl.program_id(1)
+    start = split * chunk
+    end = tl.minimum(start + chunk, S)
+    base = x_ptr + n.to(tl.int64) * x_sn
+    cols = tl.arange(0, BLOCK_C)
+    # Shift every value by its channel's first voxel: sums of (x - k) and (x - k)² then cancel only as
+    # much as (mean - k)² / var, not mean² / var. Per-element accumulators; one reduction at the end.
+    k = to_f32(tl.load(base + cols.to(tl.int64) * x_sc, mask=cols < C, other=0.0))
+    s1 = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+    s2 = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        ptrs, mask = _tile_ptrs(base, s0, end, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
+        d = tl.where(mask, to_f32(tl.load(ptrs, mask=mask, other=0.0)) - k[None, :], 0.0)
+        s1 += d
+        s2 += d * d
+    count = (end - start).to(tl.float32)
+    t1 = tl.sum(s1, axis=0)
+    mean = k + t1 / count
+    m2 = tl.sum(s2, axis=0) - t1 * (t1 / count)
+    out = (n * splits + split) * C + cols
+    tl.store(pmean_ptr + out, mean, mask=cols < C)
+    tl.store(pm2_ptr + out, m2, mask=cols < C)
+
+
+@triton.jit
+def _fwd_combine_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, S, C, G, CG, chunk, splits, eps,
+                        BLOCK_P: tl.constexpr, BLOCK_CG: tl.constexpr):
+    n = tl.program_id(0)
+    g = tl.program_id(1)
+    k = tl.arange(0, BLOCK_CG)
+    cols = g * CG + k
+    total = (S * CG).to(tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
+    for p0 in range(0, splits, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < splits)[:, None] & (k < CG)[None, :]
+        cnt = tl.minimum(chunk, S - p * chunk).to(tl.float32)
+        offs = (n * splits + p)[:, None] * C + cols[None, :]
+        acc += tl.where(mask, cnt[:, None] * tl.load(pmean_ptr + offs, mask=mask, other=0.0), 0.0)
+    mean = tl.sum(tl.sum(acc, axis=1), axis=0) / total
+    acc = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
+    for p0 in range(0, splits, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < splits)[:, None] & (k < CG)[None, :]
+        cnt = tl.minimum(chunk, S - p * chunk).to(tl.float32)
+        offs = (n * splits + p)[:, None] * C + cols[None, :]
+        d = tl.load(pmean_ptr + offs, mask=mask, other=0.0) - mean
+        m2 = tl.load(pm2_ptr + offs, mask=mask, other=0.0)
+        acc += tl.where(mask, m2 + cnt[:, None] * d * d, 0.0)
+    var = tl.sum(tl.sum(acc, axis=1), axis=0) / total
+    tl.store(mean_ptr + n * G + g, mean)
+    tl.store(rstd_ptr + n * G + g, tl.div_rn(1.0, tl.sqrt_rn(var + eps)))
+
+
+@triton.jit
+def _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG,
+                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per-channel mean, rstd, weight and bias of sample n (gathered from the per-group statistics)."""
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    grp = n * G + cols // CG
+    mean = tl.load(mean_ptr + grp, mask=cmask, other=0.0)
+    rstd = tl.load(rstd_ptr + grp, mask=cmask, other=0.0)
+    if HAS_W:
+        w = to_f32(tl.load(w_ptr + cols, mask=cmask, other=0.0))
+    else:
+        w = tl.full([BLOCK_C], 1.0, tl.float32)
+    if HAS_B:
+        b = to_f32(tl.load(b_ptr + cols, mask=cmask, other=0.0))
+    else:
+        b = tl.zeros([BLOCK_C], tl.float32)
+    return mean, rstd, w, b
+
+
+@triton.jit
+def _fwd_normalize_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, S, C, G, CG,
+                          x_sn, x_ss, x_sc, y_sn, y_ss, y_sc,
+                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
+                          BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    s0 = tl.program_id(0) * BLOCK_S  # tiles on axis 0: grid axes 1 and 2 stop at 65535
+    n = tl.program_id(1)
+    mean, rstd, w, b = _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG,
+                                       HAS_W, HAS_B, BLOCK_C)
+    scale = rstd * w
+    xp, mask = _tile_ptrs(x_ptr + n.to(tl.int64) * x_sn, s0, S, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
+    x = to_f32(tl.load(xp, mask=mask, other=0.0))
+    y = (x - mean[None, :]) * scale[None, :] + b[None, :]
+    if RELU:
+        y = tl.where(y < 0.0, 0.0, y)  # NaN compares false and stays NaN, as in F.relu
+    yp, _ = _tile_ptrs(y_ptr + n.to(tl.int64) * y_sn, s0, S, C, y_ss, y_sc, BLOCK_S, BLOCK_C)
+    tl.store(yp, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _masked_grad(x, dy, mean, rstd, w, b, RELU: tl.constexpr):
+    """x̂ and the gradient reaching the normalization (dy where the recomputed y passed the ReLU)."""
+    xhat = (x - mean[None, :]) * rstd[None, :]
+    if RELU:
+        # The same expression as the forward, so the mask matches its output bit for bit;
+        # y <= 0 (not y > 0) lets NaN through, as F.relu's threshold_backward does.
+        y = (x - mean[None, :]) * (rstd * w)[None, :] + b[None, :]
+        dy = tl.where(y <= 0.0, 0.0, dy)
+    return xhat, dy
+
+
+@triton.jit
+def _bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_ptr, pgx_ptr,
+                         S, C, G, CG, chunk, splits, x_sn, x_ss, x_sc, d_sn, d_ss, d_sc,
+                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    n = tl.program_id(0)
+    split = tl.program_id(1)
+    start = split * chunk
+    end = tl.minimum(start + chunk, S)
+    mean, rstd, w, b = _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG,
+                                       HAS_W, HAS_B, BLOCK_C)
+    xbase = x_ptr + n.to(tl.int64) * x_sn
+    dbase = dy_ptr + n.to(tl.int64) * d_sn
+    acc_g = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+    acc_gx = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        xp, mask = _tile_ptrs(xbase, s0, end, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
+        dp, _ = _tile_ptrs(dbase, s0, end, C, d_ss, d_sc, BLOCK_S, BLOCK_C)
+        x = to_f32(tl.load(xp, mask=mask, other=0.0))
+        dy = to_f32(tl.load(dp, mask=mask, other=0.0))
+        xhat, g = _masked_grad(x, dy, mean, rstd, w, b, RELU)
+        acc_g += g  # masked lanes load dy = 0, so they add nothing
+        acc_gx += g * xhat
+    sum_g = tl.sum(acc_g, axis=0)
+    sum_gx = tl.sum(acc_gx, axis=0)
+    cols = tl.arange(0, BLOCK_C)
+    out = (n * splits + split) * C + cols
+    tl.store(pg_ptr + out, sum_g, mask=cols < C)
+    tl.store(pgx_ptr + out, sum_gx, mask=cols < C)
+
+
+@triton.jit
+def _bwd_combine_kernel(pg_ptr, pgx_ptr, w_ptr, sg_ptr, sgx_ptr, c1_ptr, c2_ptr, S, C, G, CG, splits,
+                        HAS_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_CG: tl.constexpr):
+    n = tl.program_id(0)
+    g = tl.program_id(1)
+    k = tl.arange(0, BLOCK_CG)
+    cols = g * CG + k
+    acc_g = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
+    acc_gx = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
+    for p0 in range(0, splits, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < splits)[:, None] & (k < CG)[None, :]
+        offs = (n * splits + p)[:, None] * C + cols[None, :]
+        acc_g += tl.load(pg_ptr + offs, mask=mask, other=0.0)
+        acc_gx += tl.load(pgx_ptr + offs, mask=mask, other=0.0)
+    sum_g = tl.sum(acc_g, axis=0)
+    sum_gx = tl.sum(acc_gx, axis=0)
+    kmask = k < CG
+    tl.store(sg_ptr + n * C + cols, sum_g, mask=kmask)
+    tl.store(sgx_ptr + n * C + cols, sum_gx, mask=kmask)
+    if HAS_W:
+        w = to_f32(tl.load(w_ptr + cols, mask=kmask, other=0.0))
+    else:
+        w = tl.where(kmask, 1.0, 0.0)
+    total = (S * CG).to(tl.float32)
+    tl.store(c1_ptr + n * G + g, tl.sum(w * sum_g, axis=0) / total)
+    tl.store(c2_ptr + n * G + g, tl.sum(w * sum_gx, axis=0) / total)
+
+
+@triton.jit
+def _sum_over_batch_kernel(sg_ptr, sgx_ptr, db_ptr, dw_ptr, N, C, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < C
+    db = tl.zeros([BLOCK], tl.float32)
+    dw = tl.zeros([BLOCK], tl.float32)
+    for n in range(0, N):
+        db += tl.load(sg_ptr + n * C + cols, mask=mask, other=0.0)
+        dw += tl.load(sgx_ptr + n * C + cols, mask=mask, other=0.0)
+    tl.store(db_ptr + cols, cast_rne(db, db_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_ptr + cols, cast_rne(dw, dw_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_dx_kernel(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, c1_ptr, c2_ptr,
+                   S, C, G, CG, x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, o_sn, o_ss, o_sc,
+                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    s0 = tl.program_id(0) * BLOCK_S  # tiles on axis 0: grid axes 1 and 2 stop at 65535
+    n = tl.program_id(1)
+    mean, rstd, w, b = _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG,
+                                       HAS_W, HAS_B, BLOCK_C)
+    cols = tl.arange(0, BLOCK_C)
+    grp = n * G + cols // CG
+    c1 = tl.load(c1_ptr + grp, mask=cols < C, other=0.0)
+    c2 = tl.load(c2_ptr + grp, mask=cols < C, other=0.0)
+    n64 = n.to(tl.int64)
+    xp, mask = _tile_ptrs(x_ptr + n64 * x_sn, s0, S, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
+    dp, _ = _tile_ptrs(dy_ptr + n64 * d_sn, s0, S, C, d_ss, d_sc, BLOCK_S, BLOCK_C)
+    op, _ = _tile_ptrs(dx_ptr + n64 * o_sn, s0, S, C, o_ss, o_sc, BLOCK_S, BLOCK_C)
+    x = to_f32(tl.load(xp, mask=mask, other=0.0))
+    dy = to_f32(tl.load(dp, mask=mask, other=0.0))
+    xhat, g = _masked_grad(x, dy, mean, rstd, w, b, RELU)
+    dx = rstd[None, :] * (g * w[None, :] - c1[None, :] - xhat * c2[None, :])
+    tl.store(op, cast_rne(dx, dx_ptr.dtype.element_ty), mask=mask)
+
+
+# --- tiles and splits: a frozen table, then a heuristic --------------------------------------------
+
+# (arch, dtype, width class) -> (elements per [BLOCK_S, BLOCK_C] tile, num_warps, programs per SM of the
+# split passes). Width class: 'narrow' (C <= 128) or 'wide'. Filled from scripts/gpu_check_norm.py runs.
+TILE_TABLE: dict[tuple[str, str, str], tuple[int, int, int]] = {
+}
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def _heuristic_tile(arch: str) -> tuple[int, int, int]:
+    if arch == "cpu":
+        return 64, 1, 4  # the interpreter pays per program and per element; tiny tiles, several splits
+    # 16 elements per thread: 16-byte vector loads, and (sm90 compile) 62 registers in the statistics
+    # pass, ~100 in the backward's, so 2-4 programs of 8 warps stay resident per SM. Not yet timed.
+    return 4096, 8, 4
+
+
+class Plan:
+    """Launch geometry of one call: a pure function of (shape, groups, device, dtype)."""
+
+    def __init__(self, N: int, C: int, S: int, G: int, device: torch.device, dtype: torch.dtype,
+                 tile: Optional[tuple[int, int, int]] = None):
+        arch = arch_key(device)
+        width = "narrow" if C <= 128 else "wide"
+        elems, self.num_warps, per_sm = tile or TILE_TABLE.get(
+            (arch, _dtype_key(dtype), width), _heuristic_tile(arch))
+        self.block_c = triton.next_power_of_2(C)
+        self.block_s = max(1, elems // self.block_c)
+        tiles = triton.cdiv(S, self.block_s)
+        want = triton.cdiv(per_sm * sm_count(device), N)  # splits per sample
+        splits = max(1, min(want, tiles))
+        self.chunk = triton.cdiv(tiles, splits) * self.block_s
+        self.splits = triton.cdiv(S, self.chunk)
+        self.tiles = tiles
+        self.block_cg = triton.next_power_of_2(C // G)
+        self.block_p = max(1, min(triton.next_power_of_2(self.splits), 4096 // self.block_cg))
+
+
+# --- layouts --------------------------------------------------------------------------------------
+
+def _nsc_strides(t: torch.Tensor) -> Optional[tuple[int, int, int]]:
+    """Strides of t seen as [N, S, C] (S = the flattened D, H, W), or None if D, H, W do not collapse."""
+    spatial = [(t.shape[i], t.stride(i)) for i in (2, 3, 4) if t.shape[i] != 1]
+    for (_, outer), (size, inner) in zip(spatial, spatial[1:]):
+        if outer != size * inner:
+            return None
+    return t.stride(0), (spatial[-1][1] if spatial else 1), t.stride(1)
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """t with collapsible spatial dims (made channels-last when they are not) and its [N, S, C] strides."""
+    strides = _nsc_strides(t)
+    if strides is None:
+        t = t.contiguous(memory_format=torch.channels_last_3d)
+        strides = _nsc_strides(t)
+    return t, strides
+
+
+def empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An output shaped like x: contiguous if x is (NCDHW), else channels-last (the fast layout)."""
+    if x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.empty(x.shape, dtype=dtype, device=x.device)
+    return torch.empty(x.shape, dtype=dtype, device=x.device, memory_format=torch.channels_last_3d)
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.group_norm returns for x here: fp32 under CUDA autocast (its fp32 list), else x's."""
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.float32
+    return x.dtype
+
+
+# --- launchers (tests call these directly, e.g. with NaN-poisoned `out` buffers) --------------------
+
+def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
+            bias: Optional[torch.Tensor], eps: float, relu: bool, out_dtype: torch.dtype,
+            out: Optional[torch.Tensor] = None, tile=None):
+    """Returns (y, mean, rstd); mean and rstd are fp32 [N, G]."""
+    N, C = x.shape[:2]
+    S = x[0, 0].numel()
+    G = num_groups
+    x, (x_sn, x_ss, x_sc) = _flat(x)
+    plan = Plan(N, C, S, G, x.device, x.dtype, tile)
+    y = empty_like_layout(x, out_dtype) if out is None else out
+    y_sn, y_ss, y_sc = _nsc_strides(y)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    pmean = torch.empty((N, plan.splits, C), **f32)
+    pm2 = torch.empty((N, plan.splits, C), **f32)
+    mean = torch.empty((N, G), **f32)
+    rstd = torch.empty((N, G), **f32)
+    _fwd_partials_kernel[(N, plan.splits)](
+        x, pmean, pm2, S, C, plan.chunk, plan.splits, x_sn, x_ss, x_sc,
+        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+    _fwd_combine_kernel[(N, G)](
+        pmean, pm2, mean, rstd, S, C, G, C // G, plan.chunk, plan.splits, float(eps),
+        BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
+    _fwd_normalize_kernel[(plan.tiles, N)](
+        x, y, mean, rstd, weight if weight is not None else mean, bias if bias is not None else mean,
+        S, C, G, C // G, x_sn, x_ss, x_sc, y_sn, y_ss, y_sc,
+        HAS_W=weight is not None, HAS_B=bias is not None, RELU=bool(relu),
+        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+    return y, mean, rstd
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor, num_groups: int,
+             relu: bool, out: Optional[torch.Tensor] = None, tile=None):
+    """Returns (dx, dweight, dbias); dweight and dbias are [C] in the weight's dtype (fp32 without one)."""
+    N, C = x.shape[:2]
+    S = x[0, 0].numel()
+    G = num_groups
+    x, (x_sn, x_ss, x_sc) = _flat(x)
+    dy, (d_sn, d_ss, d_sc) = _flat(dy)
+    plan = Plan(N, C, S, G, x.device, x.dtype, tile)
+    dx = empty_like_layout(x, x.dtype) if out is None else out
+    o_sn, o_ss, o_sc = _nsc_strides(dx)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    pg = torch.empty((N, plan.splits, C), **f32)
+    pgx = torch.empty((N, plan.splits, C), **f32)
+    sg = torch.empty((N, C), **f32)
+    sgx = torch.empty((N, C), **f32)
+    c1 = torch.empty((N, G), **f32)
+    c2 = torch.empty((N, G), **f32)
+    pdtype = weight.dtype if weight is not None else torch.float32
+    dw = torch.empty((C,), dtype=pdtype, device=x.device)
+    db = torch.empty((C,), dtype=bias.dtype if bias is not None else pdtype, device=x.device)
+    w = weight if weight is not None else mean
+    b = bias if bias is not None else mean
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, RELU=bool(relu))
+    _bwd_partials_kernel[(N, plan.splits)](
+        x, dy, mean, rstd, w, b, pg, pgx, S, C, G, C // G, plan.chunk, plan.splits,
+        x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, **flags,
+        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+    _bwd_combine_kernel[(N, G)](
+        pg, pgx, w, sg, sgx, c1, c2, S, C, G, C // G, plan.splits, HAS_W=weight is not None,
+        BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
+    block = min(1024, triton.next_power_of_2(C))
+    _sum_over_batch_kernel[(triton.cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
+    _bwd_dx_kernel[(plan.tiles, N)](
+        x, dy, dx, mean, rstd, w, b, c1, c2, S, C, G, C // G,
+        x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, o_sn, o_ss, o_sc, **flags,
+        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+    return dx, dw, db
+
+
+# --- custom ops: torch.compile traces through them; autograd is registered on the forward ----------
+
+@torch.library.custom_op("scaffold::group_norm_fwd", mutates_args=())
+def group_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                   num_groups: int, eps: float, relu: bool,
+                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return forward(x, num_groups, weight, bias, eps, relu, out_dtype)
+
+
+@group_norm_fwd.register_fake
+def _(x, weight, bias, num_groups, eps, relu, out_dtype):
+    stats = x.new_empty((x.shape[0], num_groups), dtype=torch.float32)
+    return empty_like_layout(x, out_dtype), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("scaffold::group_norm_bwd", mutates_args=())
+def group_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
+                   num_groups: int, relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(dy, x, weight, bias, mean, rstd, num_groups, relu)
+
+
+@group_norm_bwd.register_fake
+def _(dy, x, weight, bias, mean, rstd, num_groups, relu):
+    pdtype = weight.dtype if weight is not None else torch.float32
+    dw = x.new_empty((x.shape[1],), dtype=pdtype)
+    db = x.new_empty((x.shape[1],), dtype=bias.dtype if bias is not None else pdtype)
+    return empty_like_layout(x, x.dtype), dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, num_groups, _eps, relu, _out_dtype = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.num_groups = num_groups
+    ctx.relu = relu
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = group_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.num_groups, ctx.relu)
+    return (dx, dw if weight is not None else None, db if bias is not None else None,
+            None, None, None, None)
+
+
+group_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- public entry points --------------------------------------------------------------------------
+
+def group_norm_supported(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
+                         bias: Optional[torch.Tensor]) -> bool:
+    """Whether `group_norm` handles this call; metadata only (no host sync)."""
+    if not (triton_usable(x) and x.dim() == 5 and x.dtype in _DTYPES and x.numel() > 0):
+        return False
+    C = x.shape[1]
+    if num_groups <= 0 or C % num_groups or C > MAX_CHANNELS:
+        return False
+    for p in (weight, bias):
+        if p is not None and (p.shape != (C,) or p.device != x.device or p.dtype not in _DTYPES):
+            return False
+    return True
+
+
+def _check(x, num_groups, weight, bias) -> None:
+    if x.dim() != 5:
+        raise ValueError(f"group_norm: x must be 5-D [N, C, D, H, W], got shape {tuple(x.shape)}")
+    C = x.shape[1]
+    if num_groups <= 0 or C % num_groups:
+        raise ValueError(f"group_norm: num_groups={num_groups} must be positive and divide C={C}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.shape != (C,):
+            raise ValueError(f"group_norm: {name} must have shape ({C},), got {tuple(p.shape)}")
+    if not group_norm_supported(x, num_groups, weight, bias):
+        raise ValueError(f"group_norm: unsupported call (device {x.device}, dtype {x.dtype}, "
+                         f"shape {tuple(x.shape)}); check group_norm_supported first")
+
+
+def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
+               bias: Optional[torch.Tensor], eps: float, relu: bool, *,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """F.group_norm(x, num_groups, weight, bias, eps), then F.relu when `relu`; autograd-aware.
+
+    Returns the dtype F.group_norm would (fp32 under CUDA autocast) unless `out_dtype` is given."""
+    _check(x, num_groups, weight, bias)
+    dtype = output_dtype(x) if out_dtype is None else out_dtype
+    return torch.ops.scaffold.group_norm_fwd(x, weight, bias, num_groups, float(eps), bool(relu), dtype)[0]
