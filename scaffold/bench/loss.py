@@ -1,0 +1,121 @@
+"""Benchmark of the loss head: forward + backward, ours against the naive form, in the same run.
+
+Ours: `SegmentationLoss` (fp32 log-softmax once, reduction "none" + ordinary sums, soft Dice).
+Naive: `F.cross_entropy(logits.float(), labels, weight=w)` (default "mean" reduction, atomics on CUDA)
+plus the same Dice on a separately computed softmax. Inputs are what the trainer feeds the loss: bf16
+logits as produced under autocast, batch 1, 6 classes, random labels, weights from the label counts.
+Also counts distinct loss values over repeated identical calls (1 = bitwise repeatable).
+
+    python -m scaffold.bench.loss                     # CUDA: 128³ and 256³; CPU: 16³
+    python -m scaffold.bench.loss --size 32 --out bench_results/loss.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from scaffold.loss import SegmentationLoss
+
+CLASSES = 6
+
+
+def naive_loss(head: SegmentationLoss, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    x = logits.float()
+    ce = F.cross_entropy(x, labels, weight=head.weight)
+    classes = torch.arange(1, CLASSES, device=labels.device).view(1, -1, 1, 1, 1)
+    target = labels.unsqueeze(1) == classes
+    return ce + (1 - head._dice(x.softmax(1)[:, 1:], target).mean())
+
+
+def _median_ms_cpu(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def _median_ms_cuda(fn, reps: int) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=max(reps, 20), return_mode="median"))
+
+
+def _distinct(fn, calls: int) -> int:
+    return torch.stack([fn().detach() for _ in range(calls)]).unique().numel()
+
+
+def bench_size(edge: int, device: torch.device, reps: int, repeats: int, compile_head: bool) -> dict:
+    g = torch.Generator(device=device).manual_seed(edge)
+    logits = torch.randn(1, CLASSES, edge, edge, edge, device=device, generator=g).bfloat16()
+    logits.requires_grad_()
+    labels = torch.randint(0, CLASSES, (1, edge, edge, edge), device=device, generator=g)
+    counts = np.bincount(labels.flatten().cpu().numpy(), minlength=CLASSES)
+    head = SegmentationLoss.from_counts(counts).to(device)
+    ours_fn = torch.compile(head) if compile_head else head
+    forms = {"ours": lambda: ours_fn(logits, labels), "naive": lambda: naive_loss(head, logits, labels)}
+    timer = _median_ms_cuda if device.type == "cuda" else _median_ms_cpu
+    row: dict = {"edge": edge, "voxels": edge**3}
+    for name, loss_fn in forms.items():
+        def step(loss_fn=loss_fn):
+            logits.grad = None
+            loss_fn().backward()
+
+        medians = [timer(step, reps) for _ in range(repeats)]
+        row[name] = {"median_ms": statistics.median(medians), "min_ms": min(medians),
+                     "max_ms": max(medians), "distinct_values_per_100": _distinct(loss_fn, 100)}
+    row["speedup"] = row["naive"]["median_ms"] / row["ours"]["median_ms"]
+    return row
+
+
+def _write_json(path: str, payload: dict) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".loss-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, nargs="+", help="volume edges (default: 128 256 on CUDA, "
+                        "16 on the CPU)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--reps", type=int, default=100, help="timed calls per measurement (CPU) / "
+                        "milliseconds of timing per measurement (CUDA)")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements per form; the median is kept")
+    parser.add_argument("--compile", action="store_true", help="torch.compile our loss head")
+    parser.add_argument("--out", default="bench_results/loss.json")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    sizes = args.size or ([128, 256] if device.type == "cuda" else [16])
+    if any(s <= 0 for s in sizes) or args.reps <= 0 or args.repeats <= 0:
+        parser.error("--size, --reps and --repeats must be positive")
+    rows = [bench_size(s, device, args.reps, args.repeats, args.compile) for s in sizes]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"loss head forward+backward, bf16 logits, batch 1, {CLASSES} classes, on {name}")
+    print(f"{'edge':>5} {'ours ms':>9} {'naive ms':>9} {'speedup':>8} {'distinct ours/naive':>20}")
+    for r in rows:
+        print(f"{r['edge']:>5} {r['ours']['median_ms']:>9.4f} {r['naive']['median_ms']:>9.4f} "
+              f"{r['speedup']:>7.2f}x {r['ours']['distinct_values_per_100']:>10}/"
+              f"{r['naive']['distinct_values_per_100']}")
+    payload = {"benchmark": "loss", "device": name, "torch": torch.__version__,
+               "compile": args.compile, "results": rows}
+    _write_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

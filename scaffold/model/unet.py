@@ -1,0 +1,82 @@
+"""UNet3d: the 3D U-Net of the benchmark, sized by `scale`, built from ladder modules.
+
+Levels L = scale − bottleneck: a stem DoubleConv (in → w), L Down blocks doubling the width, L Up blocks
+halving it again, and a 1×1×1 head (w → classes). At scale 7 with the defaults that is 19 Conv3d,
+4 ConvTranspose3d, 18 GroupNorms and 90,302,342 parameters. On CUDA the model runs channels-last
+(NDHWC): `to_device` converts it, and forward gives the input the layout of the stem's weight.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from scaffold.config import ConfigError
+from scaffold.model.blocks import DoubleConv, Down, Up
+from scaffold.model.ladder import FastConv3d, set_ladder
+
+
+def _need(ok: bool, key: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+def check_shape_config(scale: int, bottleneck: int, base_width: int, groups: int) -> list[int]:
+    """The widths from the stem to the bottleneck; ConfigError naming the key when they cannot work."""
+    _need(isinstance(bottleneck, int) and bottleneck >= 0, "model.bottleneck", "an integer >= 0",
+          bottleneck)
+    _need(isinstance(scale, int) and scale > bottleneck, "scale",
+          f"an integer greater than model.bottleneck ({bottleneck})", scale)
+    _need(isinstance(base_width, int) and base_width > 0, "model.base_width", "a positive integer",
+          base_width)
+    _need(isinstance(groups, int) and groups > 0, "model.groups", "a positive integer", groups)
+    widths = [base_width * 2**i for i in range(scale - bottleneck + 1)]
+    _need(all(w % groups == 0 for w in widths), "model.groups", f"a divisor of every width {widths}",
+          groups)
+    return widths
+
+
+class UNet3d(nn.Module):
+    def __init__(self, scale: int, bottleneck: int = 3, base_width: int = 64, groups: int = 8,
+                 in_channels: int = 3, n_classes: int = 6, ladder: Optional[Any] = None):
+        super().__init__()
+        widths = check_shape_config(scale, bottleneck, base_width, groups)
+        _need(in_channels > 0, "in_channels", "a positive integer", in_channels)
+        _need(n_classes > 1, "n_classes", "at least 2 (background + one class)", n_classes)
+        self.scale, self.levels, self.n_classes = scale, len(widths) - 1, n_classes
+        self.inc = DoubleConv(in_channels, base_width, groups)
+        self.downs = nn.ModuleList(Down(w, groups) for w in widths[:-1])
+        self.ups = nn.ModuleList(Up(w, groups) for w in reversed(widths[1:]))
+        self.outc = FastConv3d(base_width, n_classes, 1, bias=True)
+        set_ladder(self, ladder)
+
+    @classmethod
+    def from_config(cls, cfg: Any, n_classes: int) -> "UNet3d":
+        """From a scaffold.config.Config (or any object with the same attributes)."""
+        m = cfg.model
+        return cls(cfg.scale, m.bottleneck, m.base_width, m.groups, 3, n_classes, cfg.ladder)
+
+    def to_device(self, device: torch.device | str) -> "UNet3d":
+        """Moves the model; on CUDA also to channels-last (NDHWC), the layout our kernels want."""
+        device = torch.device(device)
+        self.to(device)
+        if device.type == "cuda":
+            self.to(memory_format=torch.channels_last_3d)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        edge = 2**self.levels
+        if x.dim() != 5 or any(s % edge for s in x.shape[2:]):
+            raise ValueError(f"UNet3d input: expected (N, C, D, H, W) with D, H, W multiples of {edge}, "
+                             f"got {tuple(x.shape)}")
+        if self.inc.conv1.weight.is_contiguous(memory_format=torch.channels_last_3d):
+            x = x.contiguous(memory_format=torch.channels_last_3d)
+        skips = []
+        x = self.inc(x)
+        for down in self.downs:
+            skips.append(x)
+            x = down(x)
+        for up in self.ups:
+            x = up(x, skips.pop())
+        return self.outc(x)

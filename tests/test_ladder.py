@@ -1,0 +1,178 @@
+"""The ladder mechanism, driven by fake rungs: selection, forcing, fallback, census."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from scaffold.config import ConfigError, LadderConfig
+from scaffold.model import UNet3d, census, format_census, set_ladder
+from scaffold.model import ladder as L
+
+
+@pytest.fixture
+def fake_rungs():
+    """Registers fake 'triton' rungs that compute the vendor result; restores the real ones after.
+    `calls` counts calls per kind; `supports`/`fail` are per-kind switches the test may change."""
+    state = {"calls": {op: 0 for op in L.OPS}, "supports": {op: (lambda *a: True) for op in L.OPS},
+             "fail": set()}
+    vendor = {
+        "conv": lambda x, w, b, s, p, d, g: F.conv3d(x, w, b, s, p, d, g),
+        "conv_transpose": lambda x, w, b, s, p, op, g, d: F.conv_transpose3d(x, w, b, s, p, op, g, d),
+        "group_norm": lambda x, g, w, b, eps, relu: (F.relu if relu else (lambda t: t))(
+            F.group_norm(x, g, w, b, eps)),
+        "concat": lambda a, b, dtype: torch.cat([a, b], 1),
+    }
+    saved = {}
+    for op in L.OPS:
+        def forward(*args, op=op):
+            state["calls"][op] += 1
+            if op in state["fail"]:
+                raise RuntimeError(f"fake {op} compile failure\nsecond line")
+            return vendor[op](*args) * 1
+
+        saved[op] = L.register_rung(op, "triton", lambda *a, op=op: state["supports"][op](*a), forward)
+    try:
+        yield state
+    finally:
+        for op, rung in saved.items():
+            L.unregister_rung(op, "triton")
+            if rung is not None:
+                L.register_rung(op, "triton", rung.supports, rung.forward)
+
+
+def _model(ladder=None):
+    torch.manual_seed(0)
+    return UNet3d(4, base_width=4, groups=2, ladder=ladder)  # 7 convs, 1 transposed, 6 norms, 1 concat
+
+
+X = torch.randn(1, 3, 16, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+def test_auto_on_cpu_is_vendor_even_with_a_rung(fake_rungs):
+    model = _model()
+    model(X)
+    assert sum(fake_rungs["calls"].values()) == 0
+    c = census(model)
+    assert c["conv"] == {"vendor": 7} and c["conv_transpose"] == {"vendor": 1}
+    assert c["group_norm"] == {"vendor": 6} and c["concat"] == {"vendor": 1} and c["fallbacks"] == []
+
+
+def test_forced_triton_runs_the_rung_and_matches_vendor(fake_rungs):
+    reference = _model(LadderConfig("vendor", "vendor", "vendor"))(X)
+    model = _model(LadderConfig("triton", "triton", "triton"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = model(X)
+    assert torch.equal(y, reference)
+    assert fake_rungs["calls"] == {"conv": 7, "conv_transpose": 1, "group_norm": 6, "concat": 1}
+    c = census(model)
+    assert c["conv"] == {"triton": 7} and c["group_norm"] == {"triton": 6} and c["concat"] == {"triton": 1}
+    assert c["modules"]["inc.conv1"] == "triton" and c["modules"]["outc"] == "triton"
+
+
+def test_vendor_setting_never_asks_the_rung(fake_rungs):
+    asked = []
+    fake_rungs["supports"]["conv"] = lambda *a: asked.append(1) or True
+    _model(LadderConfig("vendor", "triton", "triton"))(X)
+    assert asked == [] and fake_rungs["calls"]["conv"] == 0
+
+
+def test_forced_but_unsupported_warns_once_per_module(fake_rungs):
+    fake_rungs["supports"]["conv"] = lambda x, w, *rest: w.shape[1] != 3  # no stem (Cin = 3)
+    model = _model(LadderConfig(conv="triton"))
+    with pytest.warns(L.LadderWarning, match=r"inc\.conv1 \(conv\).*does not support") as record:
+        model(X)
+        model(X)
+    assert len(record) == 1
+    c = census(model)
+    assert c["conv"] == {"triton": 6, "vendor": 1} and c["modules"]["inc.conv1"] == "vendor"
+
+
+def test_failing_rung_warns_once_falls_back_and_is_recorded(fake_rungs):
+    fake_rungs["fail"].add("group_norm")
+    reference = _model(LadderConfig("vendor", "vendor", "vendor"))(X)
+    model = _model(LadderConfig("vendor", "vendor", "triton"))
+    with pytest.warns(L.LadderWarning, match="fake group_norm compile failure") as record:
+        y = model(X)
+    assert len(record) == 6  # once per GroupNorm module
+    assert torch.equal(y, reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(X)  # vendor-only from now on: no new warnings, no new calls
+    assert fake_rungs["calls"]["group_norm"] == 6
+    c = census(model)
+    assert c["group_norm"] == {"vendor": 6}
+    assert len(c["fallbacks"]) == 6 and "inc.norm1" in c["fallbacks"]
+    assert c["fallback_errors"]["inc.norm1"] == "triton: RuntimeError: fake group_norm compile failure"
+    text = format_census(c)
+    assert "group_norm" in text and "inc.norm1: triton: RuntimeError" in text
+
+
+def test_select_rung_is_a_pure_function_of_device_and_metadata(fake_rungs):
+    x = torch.empty(1, 8, 4, 4, 4, device="meta")
+    w = torch.empty(8, 8, 3, 3, 3, device="meta")
+    args = (x, w, None, (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    cuda = torch.device("cuda")
+    assert L.select_rung("conv", "auto", cuda, args) == "triton"
+    assert L.select_rung("conv", "auto", torch.device("cpu"), args) == "vendor"
+    assert L.select_rung("conv", "triton", torch.device("cpu"), args) == "triton"
+    assert L.select_rung("conv", "vendor", cuda, args) == "vendor"
+    fake_rungs["supports"]["conv"] = lambda x, *rest: x.dtype == torch.bfloat16
+    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
+    L.unregister_rung("conv", "triton")
+    assert L.select_rung("conv", "triton", cuda, args) == "vendor"
+
+
+def test_missing_kernel_module_makes_the_rung_unavailable():
+    rung = L._lazy_rung("scaffold.kernels.no_such_kernel", "f", "f_supported", lambda a: a, lambda a: a)
+    with pytest.warns(L.LadderWarning, match="unavailable.*no_such_kernel"):
+        assert rung.supports(torch.zeros(1)) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rung.supports(torch.zeros(1)) is False  # warned once, at the failed import
+
+
+def test_set_ladder_rejects_unknown_settings_naming_the_key():
+    model = _model()
+    with pytest.raises(ConfigError, match=r"^ladder\.conv_transpose='fast': expected "):
+        set_ladder(model, LadderConfig(conv_transpose="fast"))
+
+
+def test_concat_follows_group_norm_unless_configured():
+    model = _model(LadderConfig("vendor", "vendor", "triton"))
+    assert model.ups[0].concat.ladder_setting == "triton"
+
+    class WithConcat(LadderConfig):
+        concat = "vendor"
+
+    set_ladder(model, WithConcat("vendor", "vendor", "triton"))
+    assert model.ups[0].concat.ladder_setting == "vendor"
+
+
+def test_fast_modules_keep_torch_state_dict_keys():
+    pairs = [(L.FastConv3d(4, 8, 3, bias=False), nn.Conv3d(4, 8, 3, bias=False)),
+             (L.FastConvTranspose3d(8, 4, 2, stride=2), nn.ConvTranspose3d(8, 4, 2, stride=2)),
+             (L.FastGroupNorm(2, 8, relu=True), nn.GroupNorm(2, 8))]
+    for fast, stock in pairs:
+        assert list(fast.state_dict()) == list(stock.state_dict())
+        stock.load_state_dict(fast.state_dict())
+        fast.load_state_dict(stock.state_dict())
+    x = torch.randn(2, 8, 4, 4, 4)
+    assert torch.equal(pairs[2][0](x), F.relu(pairs[2][1](x)))
+
+
+def test_forward_paths_have_no_host_reads():
+    import inspect
+    import re
+
+    from scaffold.model import blocks, pool, unet
+
+    host_reads = re.compile(r"\.(item|tolist|cpu|numpy)\(|nonzero|unique|(?<![\w.])(bool|float|int)\(")
+    fns = [L.select_rung, L.LadderSite._run, L.FastConv3d.forward, L.FastConvTranspose3d.forward,
+           L.FastGroupNorm.forward, L.FastGroupNorm._vendor, L.FastConcat.forward, pool.max_pool2,
+           pool._MaxPool2.forward, pool._MaxPool2.backward, blocks.DoubleConv.forward, blocks.Up.forward,
+           blocks.Down.forward, unet.UNet3d.forward]
+    for fn in fns:
+        assert host_reads.findall(inspect.getsource(fn)) == [], fn.__qualname__
