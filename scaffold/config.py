@@ -78,6 +78,8 @@ class LadderConfig:
     """Rung for ConvTranspose3d sites: auto | triton | vendor."""
     group_norm: str = "auto"
     """Rung for GroupNorm(+ReLU) sites: auto | triton | vendor."""
+    concat: str = "auto"
+    """Rung for the U-Net's skip concat: auto | triton | vendor."""
 
 
 @dataclass
@@ -180,7 +182,7 @@ def validate(cfg: Any) -> None:
     _need(cfg.checkpoint_interval >= 0, "checkpoint_interval", "an integer >= 0",
           cfg.checkpoint_interval)
     _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)
-    for key in ("conv", "conv_transpose", "group_norm"):
+    for key in ("conv", "conv_transpose", "group_norm", "concat"):
         value = getattr(cfg.ladder, key)
         _need(value in RUNGS, f"ladder.{key}", " | ".join(RUNGS), value)
     o = cfg.optim

@@ -20,8 +20,8 @@ def fake_rungs():
     vendor = {
         "conv": lambda x, w, b, s, p, d, g: F.conv3d(x, w, b, s, p, d, g),
         "conv_transpose": lambda x, w, b, s, p, op, g, d: F.conv_transpose3d(x, w, b, s, p, op, g, d),
-        "group_norm": lambda x, g, w, b, eps, relu: (F.relu if relu else (lambda t: t))(
-            F.group_norm(x, g, w, b, eps)),
+        "group_norm": lambda x, g, w, b, eps, relu, out_dtype: (F.relu if relu else (lambda t: t))(
+            F.group_norm(x, g, w, b, eps)).to(out_dtype or x.dtype),
         "concat": lambda a, b, dtype: torch.cat([a, b], 1),
     }
     saved = {}
@@ -60,8 +60,8 @@ def test_auto_on_cpu_is_vendor_even_with_a_rung(fake_rungs):
 
 
 def test_forced_triton_runs_the_rung_and_matches_vendor(fake_rungs):
-    reference = _model(LadderConfig("vendor", "vendor", "vendor"))(X)
-    model = _model(LadderConfig("triton", "triton", "triton"))
+    reference = _model(LadderConfig("vendor", "vendor", "vendor", "vendor"))(X)
+    model = _model(LadderConfig("triton", "triton", "triton", "triton"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         y = model(X)
@@ -110,11 +110,14 @@ def test_failing_rung_warns_once_falls_back_and_is_recorded(fake_rungs):
     assert "group_norm" in text and "inc.norm1: triton: RuntimeError" in text
 
 
-def test_select_rung_is_a_pure_function_of_device_and_metadata(fake_rungs):
+def test_select_rung_is_a_pure_function_of_device_and_metadata(fake_rungs, monkeypatch):
     x = torch.empty(1, 8, 4, 4, 4, device="meta")
     w = torch.empty(8, 8, 3, 3, 3, device="meta")
     args = (x, w, None, (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     cuda = torch.device("cuda")
+    # `auto` keeps convolutions on the vendor rung until the Triton ones are faster (AUTO_TAKES_FAST).
+    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
+    monkeypatch.setitem(L.AUTO_TAKES_FAST, "conv", True)
     assert L.select_rung("conv", "auto", cuda, args) == "triton"
     assert L.select_rung("conv", "auto", torch.device("cpu"), args) == "vendor"
     assert L.select_rung("conv", "triton", torch.device("cpu"), args) == "triton"
@@ -140,15 +143,12 @@ def test_set_ladder_rejects_unknown_settings_naming_the_key():
         set_ladder(model, LadderConfig(conv_transpose="fast"))
 
 
-def test_concat_follows_group_norm_unless_configured():
+def test_concat_has_its_own_setting():
     model = _model(LadderConfig("vendor", "vendor", "triton"))
-    assert model.ups[0].concat.ladder_setting == "triton"
-
-    class WithConcat(LadderConfig):
-        concat = "vendor"
-
-    set_ladder(model, WithConcat("vendor", "vendor", "triton"))
+    assert model.ups[0].concat.ladder_setting == "auto"
+    set_ladder(model, LadderConfig("vendor", "vendor", "triton", concat="vendor"))
     assert model.ups[0].concat.ladder_setting == "vendor"
+    assert model.ups[0].conv.norm1.ladder_setting == "triton"
 
 
 def test_fast_modules_keep_torch_state_dict_keys():

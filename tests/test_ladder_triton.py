@@ -25,7 +25,7 @@ def test_forced_triton_unet_matches_vendor():
     y_vendor.square().sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    set_ladder(model, LadderConfig("triton", "triton", "triton"))
+    set_ladder(model, LadderConfig("triton", "triton", "triton", "triton"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no unsupported site, no fallback
         y = model(x)

@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     determinism.configure("default")
     scale = args.scale or (7 if cuda else 4)
     width = args.base_width or (64 if cuda else 8)
-    ladder = LadderConfig(conv=args.ladder, conv_transpose=args.ladder, group_norm=args.ladder)
+    ladder = LadderConfig(conv=args.ladder, conv_transpose=args.ladder, group_norm=args.ladder,
+                         concat=args.ladder)
     res = probe(scale, args.repeats, args.train_steps, ladder, device, width)
     print(f"determinism probe: scale {scale} ({2**scale}³), width {width}, {device}, {args.repeats} repeats, "
           f"{args.train_steps} training steps x2")

@@ -29,7 +29,7 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
     cfg = Config(scale=scale)
     cfg.model.base_width = width
     rung = "auto" if variant == "ladder" else "vendor"
-    cfg.ladder = LadderConfig(conv=rung, conv_transpose=rung, group_norm=rung)
+    cfg.ladder = LadderConfig(conv=rung, conv_transpose=rung, group_norm=rung, concat=rung)
     determinism.seed_all(0)
     model = UNet3d.from_config(cfg, n_classes).to(device)
     if device.type == "cuda":

@@ -19,9 +19,10 @@ class DoubleConv(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, groups: int):
         super().__init__()
         self.conv1 = FastConv3d(in_channels, out_channels, 3, padding=1, bias=False)
-        self.norm1 = FastGroupNorm(groups, out_channels, relu=True)
+        # Every consumer of these norms computes in the autocast dtype: see FastGroupNorm.autocast_output.
+        self.norm1 = FastGroupNorm(groups, out_channels, relu=True, autocast_output=True)
         self.conv2 = FastConv3d(out_channels, out_channels, 3, padding=1, bias=False)
-        self.norm2 = FastGroupNorm(groups, out_channels, relu=True)
+        self.norm2 = FastGroupNorm(groups, out_channels, relu=True, autocast_output=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm2(self.conv2(self.norm1(self.conv1(x))))

@@ -22,7 +22,7 @@ halves in it: the consumer (a convolution) would cast the vendor result to that 
 Argument tuples per kind (the same for `supports` and `forward`):
   conv:           (x, weight, bias, stride, padding, dilation, groups)
   conv_transpose: (x, weight, bias, stride, padding, output_padding, groups, dilation)
-  group_norm:     (x, num_groups, weight, bias, eps, relu)
+  group_norm:     (x, num_groups, weight, bias, eps, relu, out_dtype)   out_dtype None = as F.group_norm
   concat:         (a, b, dtype)                 -> cat([a, b], dim=1)
 
 The census (`census`, `format_census`) says which rung every module ran and which ones fell back.
@@ -81,12 +81,19 @@ def get_rung(op: str, name: str) -> Optional[Rung]:
     return _REGISTRY[op].get(name)
 
 
+# Whether `auto` takes the Triton rung on CUDA, per operator kind. This follows the measurements in
+# docs/performance.md: our GroupNorm and concat kernels beat ATen, but the Triton convolutions do not yet
+# beat cuDNN (H200, scale 7: 74 ms against 22.5 ms over every conv site and direction), so `auto` keeps
+# convolutions on cuDNN (deterministic algorithms) until they do. `ladder.conv=triton` forces them.
+AUTO_TAKES_FAST = {"conv": False, "conv_transpose": False, "group_norm": True, "concat": True}
+
+
 def select_rung(op: str, setting: str, device: torch.device, args: tuple) -> str:
     """The rung a call takes: a pure function of the device, the arguments' metadata and the setting."""
     if setting == VENDOR:
         return VENDOR
     name = FAST if setting == AUTO else setting
-    if setting == AUTO and device.type != "cuda":
+    if setting == AUTO and (device.type != "cuda" or not AUTO_TAKES_FAST.get(op, True)):
         return VENDOR
     rung = _REGISTRY[op].get(name)
     if rung is None or not rung.supports(*args):
@@ -97,7 +104,8 @@ def select_rung(op: str, setting: str, device: torch.device, args: tuple) -> str
 # --- the Triton rungs, imported on first use -------------------------------------------------------
 
 def _lazy_rung(module: str, forward_name: str, supports_name: str,
-               forward_args: Callable[[tuple], tuple], supports_args: Callable[[tuple], tuple]) -> Rung:
+               forward_args: Callable[[tuple], tuple], supports_args: Callable[[tuple], tuple],
+               forward_kwargs: Callable[[tuple], dict] = lambda a: {}) -> Rung:
     loaded: dict[str, Any] = {}
 
     def load():
@@ -116,7 +124,7 @@ def _lazy_rung(module: str, forward_name: str, supports_name: str,
         return fns is not None and bool(fns[1](*supports_args(args)))
 
     def forward(*args) -> torch.Tensor:
-        return load()[0](*forward_args(args))
+        return load()[0](*forward_args(args), **forward_kwargs(args))
 
     return Rung(supports, forward)
 
@@ -128,7 +136,8 @@ def _register_triton_rungs() -> None:
     _REGISTRY["conv_transpose"][FAST] = _lazy_rung(
         "scaffold.kernels.conv", "conv_transpose3d", "conv_transpose3d_supported", lambda a: a[:4], keep)
     _REGISTRY["group_norm"][FAST] = _lazy_rung(
-        "scaffold.kernels.groupnorm", "group_norm", "group_norm_supported", keep, lambda a: a[:4])
+        "scaffold.kernels.groupnorm", "group_norm", "group_norm_supported", lambda a: a[:6], lambda a: a[:4],
+        forward_kwargs=lambda a: {"out_dtype": a[6]})
     _REGISTRY["concat"][FAST] = _lazy_rung(
         "scaffold.kernels.concat", "concat_channels", "concat_supported", keep, lambda a: a[:2])
 
@@ -221,24 +230,36 @@ class FastConvTranspose3d(LadderSite, nn.ConvTranspose3d):
 
 class FastGroupNorm(LadderSite, nn.GroupNorm):
     """nn.GroupNorm on the ladder, optionally followed by ReLU (`relu=True`), which a fused rung does in
-    the same pass. The parameters and state-dict keys are those of nn.GroupNorm."""
+    the same pass. The parameters and state-dict keys are those of nn.GroupNorm.
+
+    Under autocast F.group_norm returns fp32. With `autocast_output=True` the module returns the autocast
+    dtype (bf16) instead, on every rung: for a site whose consumers compute in that dtype anyway (a
+    convolution, the max pool, the skip concat) the values are the same — the consumer would round the
+    fp32 output to bf16 the same way (round to nearest even; the max commutes with that rounding) — and
+    half the bytes are written and read. The U-Net's DoubleConv sets it."""
 
     op = "group_norm"
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
-                 relu: bool = False, device=None, dtype=None):
+                 relu: bool = False, autocast_output: bool = False, device=None, dtype=None):
         super().__init__(num_groups, num_channels, eps, affine, device=device, dtype=dtype)
         self.relu = relu
+        self.autocast_output = autocast_output
         self._init_site()
 
-    def _vendor(self, x: torch.Tensor) -> torch.Tensor:
+    def _vendor(self, x: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
         y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         # In place is safe: GroupNorm's backward needs its input and statistics, not its output.
-        return F.relu(y, inplace=True) if self.relu else y
+        y = F.relu(y, inplace=True) if self.relu else y
+        return y if out_dtype is None else y.to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = (x, self.num_groups, self.weight, self.bias, self.eps, self.relu)
-        return self._run(args, lambda: self._vendor(x))
+        kind = x.device.type
+        out_dtype = None
+        if self.autocast_output and torch.is_autocast_enabled(kind):
+            out_dtype = torch.get_autocast_dtype(kind)
+        args = (x, self.num_groups, self.weight, self.bias, self.eps, self.relu, out_dtype)
+        return self._run(args, lambda: self._vendor(x, out_dtype))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", relu=True" if self.relu else "")
@@ -266,9 +287,8 @@ def _sites(model: nn.Module):
 
 
 def ladder_settings(ladder: Any) -> dict[str, str]:
-    """Setting per operator kind from a LadderConfig (or None = all auto). The skip concat follows
-    `ladder.concat` when the config has it, else `ladder.group_norm` (forcing vendor norms then also
-    gives a vendor concat, as a stock model would)."""
+    """Setting per operator kind from a LadderConfig (or None = all auto). A config object without a
+    `concat` field gives the skip concat the `group_norm` setting."""
     if ladder is None:
         return {op: AUTO for op in OPS}
     settings = {op: getattr(ladder, op) for op in OPS[:3]}
