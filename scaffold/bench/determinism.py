@@ -59,7 +59,7 @@ def probe(scale: int, repeats: int, train_steps: int, ladder: LadderConfig, devi
     g = torch.Generator().manual_seed(1)
     palette = torch.rand(n_classes, 3, generator=g).to(device)
     palette[0] = 0
-    masks = _volume(scale, n_classes, 2, device).unsqueeze(0)
+    masks = _volume(scale, n_classes, 2, device)
     loss_fn = SegmentationLoss(torch.linspace(0.5, 2.0, n_classes)).to(device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -89,6 +89,7 @@ def probe(scale: int, repeats: int, train_steps: int, ladder: LadderConfig, devi
 
     for _ in range(2):  # a short training run, twice from the same state
         model.load_state_dict(initial)
+        model.zero_grad(set_to_none=True)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         for _ in range(train_steps):
             with amp:

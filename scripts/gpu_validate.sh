@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU validation in one go: the gpu-marked tests, the benchmarks and a scale-7 training run, each stage
+# under its own time limit, in priority order. Logs and JSON go to $RESULTS (default bench_results/gpu),
+# packed into $OUT/results.tgz when $OUT is set.
+#   scripts/gpu_validate.sh [stage ...]     stages: tests norm train minibatch loss probe conv
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
+RESULTS=${RESULTS:-bench_results/gpu}
+mkdir -p "$RESULTS"
+stages=${*:-tests norm train minibatch loss probe}
+summary="$RESULTS/summary.txt"
+run() {  # run NAME LIMIT_S CMD...: a stage with a limit, its log, one summary line
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+  local rc=$?
+  echo "stage $name: rc=$rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$summary"
+  tail -n 25 "$RESULTS/$name.log" | sed "s/^/  [$name] /" >>"$summary"
+}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git log -1 --format='commit %h %s' 2>/dev/null; } | tee "$summary"
+for s in $stages; do
+  case $s in
+    tests) run tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    norm) run norm "${LIMIT_NORM:-200}" python3 scripts/gpu_check_norm.py --stages check xproc bench \
+            --scales 7 8 --budget-s "${NORM_BUDGET:-150}" --out-dir "$RESULTS/norm" ;;
+    train) run train "${LIMIT_TRAIN:-200}" python3 -m scaffold.train scale=7 epochs=2 progress=false \
+             hydra.run.dir="$RESULTS/train_run" ;;
+    minibatch) run minibatch "${LIMIT_MINIBATCH:-240}" python3 -m scaffold.bench.minibatch --scale 7 \
+                 --variants "${VARIANTS:-ladder,vendor,compiled}" --out "$RESULTS/minibatch.json" ;;
+    loss) run loss 90 python3 -m scaffold.bench.loss --out "$RESULTS/loss.json" ;;
+    probe) run probe 120 python3 -m scaffold.bench.determinism --scale 7 --out "$RESULTS/determinism.json" ;;
+    conv) run conv "${LIMIT_CONV:-300}" python3 -m scaffold.bench.conv --scale 7 --out "$RESULTS/conv.json" ;;
+  esac
+done
+if [ -n "${OUT:-}" ]; then
+  rm -rf "$RESULTS/train_run/checkpoints"
+  tar czf "$OUT/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+  cp "$summary" "$OUT/summary.txt"
+fi
