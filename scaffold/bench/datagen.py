@@ -1,0 +1,76 @@
+"""Benchmark of dataset generation: `python -m scaffold.bench.datagen [--scale 7] [--reps 3]`.
+
+Generates the default dataset (5 classes, 145 instances, 240 volumes) into a fresh temporary cache
+folder for each repetition and reports the median wall time; writes the numbers as JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+from ..config import DataConfig
+from ..data.generate import resolve_workers
+from ..data.store import prepare, read_info
+
+
+def time_generation(scale: int, seed: int, workers: int) -> tuple[float, dict]:
+    """Seconds to generate one dataset from scratch, and what was generated."""
+    with tempfile.TemporaryDirectory(prefix="scaffold-datagen-") as folder:
+        cfg = DataConfig(cache_dir=folder, workers=workers)
+        start = time.perf_counter()
+        path = prepare(cfg, scale, seed, progress=False)
+        seconds = time.perf_counter() - start
+        info = read_info(path)
+        return seconds, {"volumes": info.n_train + info.n_val, "edge": info.edge,
+                         "file_mib": path.stat().st_size / 2**20}
+
+
+def write_json(path: pathlib.Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scaffold.bench.datagen", description=__doc__)
+    parser.add_argument("--scale", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--workers", type=int, default=0, help="0 = one per CPU core")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_results/datagen.json"))
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps must be >= 1")
+    times, shape = [], {}
+    for _ in range(args.reps):
+        seconds, shape = time_generation(args.scale, args.seed, args.workers)
+        times.append(seconds)
+    result = {
+        "benchmark": "datagen", "scale": args.scale, "seed": args.seed,
+        "workers": resolve_workers(args.workers, shape["volumes"]), "cpu_count": os.cpu_count(),
+        **shape, "seconds": times, "median_s": statistics.median(times),
+        "volumes_per_s": shape["volumes"] / statistics.median(times),
+        "date": datetime.date.today().isoformat(), "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    print(f"{'scale':>5} {'edge':>5} {'volumes':>7} {'workers':>7} {'median s':>9} {'min s':>7} "
+          f"{'vol/s':>7} {'MiB':>6}")
+    print(f"{args.scale:>5} {shape['edge']:>5} {shape['volumes']:>7} {result['workers']:>7} "
+          f"{result['median_s']:>9.2f} {min(times):>7.2f} {result['volumes_per_s']:>7.1f} "
+          f"{shape['file_mib']:>6.1f}")
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

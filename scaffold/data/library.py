@@ -1,0 +1,117 @@
+"""The shipped library of fractal classes: its file format, where it is found, and the command that
+makes it.
+
+data/fractal_classes.txt (installed as package data `scaffold.library`) holds one class per line (24
+numbers, written with repr so they read back exactly) under a header saying how to regenerate it:
+`python -m scaffold.data.library --search 64 --seed 0 > data/fractal_classes.txt`. Loading tries the
+installed package data, then the source tree, and otherwise runs that same search (about a second).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import pathlib
+import sys
+
+import numpy as np
+
+from ..config import ConfigError
+from .ifs import LIBRARY_SEED, LIBRARY_THRESHOLD, PARAMS_PER_MAP, search_classes
+
+LIBRARY_FILE = "fractal_classes.txt"
+LIBRARY_SIZE = 64
+
+
+def format_library(classes: np.ndarray, seed: int, threshold: float, candidates: int) -> str:
+    """The library file's text: a header saying how to regenerate it, then one class per line."""
+    n = len(classes)
+    lines = [
+        "# scaffold fractal class library: one IFS class per line, 24 numbers =",
+        "# map 0 (3x3 matrix row-major, translation), then map 1 (same layout).",
+        f"# {n} classes accepted of {candidates} candidates "
+        f"(variance_threshold={threshold!r}, seed={seed}).",
+        f"# Regenerate: python -m scaffold.data.library --search {n} --seed {seed} "
+        f"--threshold {threshold!r} > data/{LIBRARY_FILE}",
+    ]
+    for row in np.asarray(classes, dtype=np.float64).reshape(n, -1):
+        lines.append(" ".join(repr(float(v)) for v in row))
+    return "\n".join(lines) + "\n"
+
+
+def parse_library(text: str, origin: str = LIBRARY_FILE) -> np.ndarray:
+    """Classes (n, 2, 12) from the library file's text; a bad line is a one-line error."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != 2 * PARAMS_PER_MAP:
+            raise ValueError(f"{origin}:{number}: expected {2 * PARAMS_PER_MAP} numbers, "
+                             f"found {len(fields)}")
+        rows.append([float(v) for v in fields])
+    return np.array(rows, dtype=np.float64).reshape(len(rows), 2, PARAMS_PER_MAP)
+
+
+def repository_library_path() -> pathlib.Path:
+    """Where the library lives in a source checkout (data/ at the top of the repository)."""
+    return pathlib.Path(__file__).resolve().parents[2] / "data" / LIBRARY_FILE
+
+
+def _library_text() -> str | None:
+    """The shipped library's text: package data first, then the source tree; None if neither."""
+    try:
+        from importlib.resources import files
+
+        return (files("scaffold.library") / LIBRARY_FILE).read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError, OSError):
+        pass
+    path = repository_library_path()
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def load_library() -> np.ndarray:
+    """The shipped classes (n, 2, 12); regenerated deterministically if the file is not installed."""
+    text = _library_text()
+    if text is None:
+        return search_classes(LIBRARY_SIZE, LIBRARY_SEED, LIBRARY_THRESHOLD)
+    return parse_library(text)
+
+
+def classes_for(n_categories: int, threshold: float) -> np.ndarray:
+    """The first `n_categories` classes for a variance threshold: the shipped library at its own
+    threshold, a fresh search (same seed, same draw order) otherwise or when more are needed."""
+    if not 0.0 < threshold < 1.0 / 3.0:
+        # The three normalized variances sum to 1: no cloud exceeds 1/3 on every axis.
+        raise ConfigError(f"data.variance_threshold={threshold!r}: expected a number in (0, 1/3); "
+                          "the normalized per-axis variances sum to 1")
+    if threshold == LIBRARY_THRESHOLD:
+        library = load_library()
+        if len(library) >= n_categories:
+            return library[:n_categories]
+    return search_classes(n_categories, LIBRARY_SEED, threshold)
+
+
+def classes_digest(classes: np.ndarray) -> str:
+    """A content hash of class parameters (part of a dataset's cache key)."""
+    return hashlib.sha256(np.ascontiguousarray(classes, dtype="<f8").tobytes()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scaffold.data.library",
+                                     description="Search fractal classes; print the library file.")
+    parser.add_argument("--search", type=int, default=LIBRARY_SIZE, metavar="N",
+                        help="number of classes to accept")
+    parser.add_argument("--seed", type=int, default=LIBRARY_SEED)
+    parser.add_argument("--threshold", type=float, default=LIBRARY_THRESHOLD)
+    args = parser.parse_args(argv)
+    if args.search <= 0 or not 0 < args.threshold < 1 / 3:
+        parser.error("--search must be positive and --threshold in (0, 1/3)")
+    stats: dict = {}
+    classes = search_classes(args.search, args.seed, args.threshold, stats)
+    sys.stdout.write(format_library(classes, args.seed, args.threshold, stats["candidates"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
