@@ -12,14 +12,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
-def triton_importable() -> bool:
+def _import_triton() -> bool:
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     except Exception:  # pragma: no cover - depends on the install
         return False
     return True
+
+
+_TRITON = _import_triton()  # decided once at import: a plain constant, which torch.compile traces cleanly
+
+
+def triton_importable() -> bool:
+    return _TRITON
 
 
 def triton_usable(t: torch.Tensor) -> bool:
