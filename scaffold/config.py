@@ -143,7 +143,8 @@ def validate_data(data: Any, scale: int) -> None:
     _need(data.n_instances <= 145, "data.n_instances", "at most 145 (12 positions x 12 factors + 1)",
           data.n_instances)
     _need(0.0 < data.val_fraction < 1.0, "data.val_fraction", "a number in (0, 1)", data.val_fraction)
-    _need(data.variance_threshold > 0, "data.variance_threshold", "a number > 0",
+    # Normalized clouds have per-axis variances summing to 1, so no class can pass 1/3 on every axis.
+    _need(0 < data.variance_threshold < 1 / 3, "data.variance_threshold", "a number in (0, 1/3)",
           data.variance_threshold)
     _need(data.workers >= 0, "data.workers", "an integer >= 0 (0 = one per core)", data.workers)
     _need(data.loader_workers >= 0, "data.loader_workers", "an integer >= 0", data.loader_workers)
