@@ -261,7 +261,7 @@ class Trainer:
         determinism.set_rng_state(state["rng"])
 
     # ------------------------------------------------------------------------------------- fit
-    def fit(self, stats: StatsFile, profile: bool = False) -> Progress:
+    def fit(self, stats: Optional[StatsFile], profile: bool = False) -> Progress:
         """Epochs until the validation Dice reaches the target or the epoch cap; returns the bookkeeping."""
         cfg, p = self.cfg, self.progress
         ckpt_dir = self.run_dir / "checkpoints"
@@ -302,7 +302,7 @@ class Trainer:
                 "total_optimizer_steps": p.total_steps, "lr": lr, "step_ms_median": step_ms,
                 "is_best": is_best, "train_time": p.train_time,
             }
-            if self.place.is_main:
+            if stats is not None:
                 stats.append(row)
             log.info("epoch %d | loss %.5f | val loss %.5f | train dice %.4f | val dice %.4f | lr %.2e | "
                      "step %.1f ms | %.1f s%s", epoch, overall, val_avg, row["train_dice"], val_dice, lr,

@@ -155,7 +155,9 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
             "parameters": n_params,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         })
-    stats = StatsFile(run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0)
+    stats = None  # only rank 0 writes the CSV
+    if place.is_main:
+        stats = StatsFile(run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0)
     if state:
         trainer.load_state(state)
         del state

@@ -218,3 +218,21 @@ def test_profile_writes_a_trace(cache, tmp_path):
     worker.run(tiny_cfg(cache, "profile=true", "epochs=1"), tmp_path)
     trace = json.loads((tmp_path / "profile_trace.json").read_text())
     assert trace["traceEvents"]
+
+
+def test_torchrun_two_cpu_ranks_share_one_run_directory(cache, tmp_path):
+    import shutil
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    res = subprocess.run(
+        [torchrun, "--nproc-per-node=2", "-m", "scaffold.train", *tiny_args(cache), "data.n_instances=12",
+         "epochs=2", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_rows(tmp_path / "run" / "train_stats.csv")
+    # 8 volumes: 6 train split over 2 ranks = 3 optimizer steps per epoch, losses reduced over ranks.
+    assert [int(r["optimizer_steps"]) for r in rows] == [3, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 created nothing of its own
