@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from scaffold.bench.conv import check_site, distinct_sites, model_sites
 

@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from scaffold.config import Config, ConfigError
 from scaffold.model import UNet3d

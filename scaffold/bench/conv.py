@@ -11,13 +11,11 @@ weighted by how often it occurs in the model. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 
 import torch
+from scaffold.bench import write_json
 
 DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
 
@@ -237,13 +235,7 @@ def format_totals(result: dict) -> str:
             ", ".join(f"{d} {a:.2f}/{b:.2f}" for d, a, b in zip(DIRECTIONS, tri, ven)) + "]")
 
 
-def write_json_atomic(path: str, obj) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+
 
 
 def main(argv=None) -> int:
@@ -265,7 +257,7 @@ def main(argv=None) -> int:
     for r in results:
         print(format_totals(r))
     if args.out:
-        write_json_atomic(args.out, {"device": torch.cuda.get_device_name(), "results": results})
+        write_json(args.out, {"device": torch.cuda.get_device_name(), "results": results})
     return 0
 
 

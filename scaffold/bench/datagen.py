@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -19,6 +18,7 @@ import time
 from ..config import DataConfig
 from ..data.generate import resolve_workers
 from ..data.store import prepare, read_info
+from scaffold.bench import write_json
 
 
 def time_generation(scale: int, seed: int, workers: int) -> tuple[float, dict]:
@@ -33,11 +33,7 @@ def time_generation(scale: int, seed: int, workers: int) -> tuple[float, dict]:
                          "file_mib": path.stat().st_size / 2**20}
 
 
-def write_json(path: pathlib.Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+
 
 
 def main(argv: list[str] | None = None) -> int:

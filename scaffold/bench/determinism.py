@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from scaffold import determinism
+from scaffold.bench import write_json
 from scaffold.config import Config, LadderConfig
 
 
@@ -149,11 +147,7 @@ def main(argv=None) -> int:
     else:
         print(f"  control {c['op']}: {c['distinct']} distinct values in {c['calls']} calls "
               f"({'the probe can fail' if c['distinct'] > 1 else 'no variation seen: increase --scale'})")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(res, indent=2) + "\n")
-    os.replace(tmp, out)
+    write_json(args.out, res)
     return 0 if res["varying"] == 0 else 1
 
 

@@ -12,10 +12,7 @@ Also counts distinct loss values over repeated identical calls (1 = bitwise repe
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 
 import numpy as np
@@ -23,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from scaffold.loss import SegmentationLoss
+from scaffold.bench import write_json
 
 CLASSES = 6
 
@@ -78,13 +76,7 @@ def bench_size(edge: int, device: torch.device, reps: int, repeats: int, compile
     return row
 
 
-def _write_json(path: str, payload: dict) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".loss-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -113,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['naive']['distinct_values_per_100']}")
     payload = {"benchmark": "loss", "device": name, "torch": torch.__version__,
                "compile": args.compile, "results": rows}
-    _write_json(args.out, payload)
+    write_json(args.out, payload)
     return payload
 
 

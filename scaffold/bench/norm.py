@@ -17,14 +17,12 @@ promotes to fp32, the consumer casts) against one Triton kernel, forward and bac
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
+from scaffold.bench import write_json
 
 PEAK_BYTES_PER_S = 4.8e12
 GROUPS = 8
@@ -208,13 +206,7 @@ def format_table(title: str, rows: list[dict], methods: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_json_atomic(path: str, payload: dict) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
+
 
 
 def run(scales: list[int], compile_too: bool = True, deadline: float = float("inf")) -> dict:
@@ -254,7 +246,7 @@ def main(argv=None) -> None:
         raise SystemExit("scaffold.bench.norm: needs a CUDA GPU")
     result = run(args.scales, compile_too=not args.no_compile)
     if args.out:
-        write_json_atomic(args.out, result)
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":
