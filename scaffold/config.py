@@ -80,6 +80,8 @@ class LadderConfig:
     """Rung for GroupNorm(+ReLU) sites: auto | triton | vendor."""
     concat: str = "auto"
     """Rung for the U-Net's skip concat: auto | triton | vendor."""
+    loss: str = "auto"
+    """Rung for the CE + Dice loss head: auto (fused Triton kernel on CUDA) | triton | vendor (eager)."""
 
 
 @dataclass
@@ -183,7 +185,7 @@ def validate(cfg: Any) -> None:
     _need(cfg.checkpoint_interval >= 0, "checkpoint_interval", "an integer >= 0",
           cfg.checkpoint_interval)
     _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)
-    for key in ("conv", "conv_transpose", "group_norm", "concat"):
+    for key in ("conv", "conv_transpose", "group_norm", "concat", "loss"):
         value = getattr(cfg.ladder, key)
         _need(value in RUNGS, f"ladder.{key}", " | ".join(RUNGS), value)
     o = cfg.optim

@@ -121,7 +121,7 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last_3d)
-    loss_fn = SegmentationLoss(class_weights(info.class_counts)).to(device)
+    loss_fn = SegmentationLoss(class_weights(info.class_counts), rung=cfg.ladder.loss).to(device)
     train = torch.from_numpy(load_masks(path, "train"))
     val = torch.from_numpy(load_masks(path, "val"))
     check_labels(train, info.n_classes)  # once per dataset, never inside the step

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from scaffold.kernels import groupnorm as gn
+from scaffold.kernels import nsc
 from scaffold.kernels import reference as ref
 
 CL = torch.channels_last_3d
@@ -154,7 +155,7 @@ def test_deterministic_bits():
 def test_non_collapsible_layout_is_converted():
     x, w, b, dy = make(1, 8, (4, 6, 5))
     xs = x.transpose(3, 4)  # D, H, W no longer collapse into one stride
-    assert gn._nsc_strides(xs) is None
+    assert nsc.nsc_strides(xs) is None
     y = gn.forward(xs, 2, w, b, 1e-5, True, torch.float32)[0]
     assert rel_err(y, ref.group_norm_relu(xs, 2, w, b, 1e-5, True)) < 1e-5
 

@@ -203,3 +203,20 @@ def test_unet_step_runs_under_strict_determinism(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.isfinite(a).item() and torch.isfinite(b).item()
+
+
+def test_triton_rung_of_the_loss_matches_the_eager_form():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 6, 3, 5, 4, generator=g, requires_grad=True)
+    labels = torch.randint(0, 6, (2, 3, 5, 4), generator=g)
+    weights = torch.tensor([0.5, 2.0, 2.0, 2.0, 2.0, 2.0])
+    fused, eager = SegmentationLoss(weights, rung="triton"), SegmentationLoss(weights, rung="vendor")
+    assert fused._fused(logits, labels) is not None and eager._fused(logits, labels) is None
+    out_f = fused.terms(logits, labels)
+    (gf,) = torch.autograd.grad(out_f[0], logits)
+    out_e = eager.terms(logits, labels)
+    (ge,) = torch.autograd.grad(out_e[0], logits)
+    for a, b in zip(out_f, out_e):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gf, ge, rtol=1e-5, atol=1e-7)
+    assert SegmentationLoss(weights)._fused(logits, labels) is None  # auto on the CPU: the eager form

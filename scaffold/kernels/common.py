@@ -61,3 +61,4 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from .common import triton_usable
-from .groupnorm import MAX_CHANNELS, _flat, cast_rne
+from .groupnorm import MAX_CHANNELS
+from .nsc import cast_rne, flat_nsc
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 8192  # elements per half-tile: 16-32 KB in flight per program, enough to stream
@@ -84,9 +85,9 @@ def concat_forward(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
     S = a[0, 0].numel()
     if out is None:
         out = _channels_last((N, ca + cb) + tuple(a.shape[2:]), dtype, a.device)
-    a, sa = _flat(a)
-    b, sb = _flat(b)
-    out, so = _flat(out)
+    a, sa = flat_nsc(a)
+    b, sb = flat_nsc(b)
+    out, so = flat_nsc(out)
     grid, meta = _geometry(N, S, ca, cb)
     _concat_kernel[grid](a, b, out, N * S, S, ca, cb, *sa, *sb, *so, **meta, num_warps=4)
     return out
@@ -99,9 +100,9 @@ def split_backward(g: torch.Tensor, ca: int, a_dtype: torch.dtype, b_dtype: torc
     S = g[0, 0].numel()
     ga = _channels_last((N, ca) + tuple(g.shape[2:]), a_dtype, g.device)
     gb = _channels_last((N, cb) + tuple(g.shape[2:]), b_dtype, g.device)
-    g, sg = _flat(g)
+    g, sg = flat_nsc(g)
     grid, meta = _geometry(N, S, ca, cb)
-    _split_kernel[grid](g, ga, gb, N * S, S, ca, cb, *sg, *_flat(ga)[1], *_flat(gb)[1], **meta,
+    _split_kernel[grid](g, ga, gb, N * S, S, ca, cb, *sg, *flat_nsc(ga)[1], *flat_nsc(gb)[1], **meta,
                         num_warps=4)
     return ga, gb
 

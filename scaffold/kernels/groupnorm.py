@@ -35,39 +35,13 @@ import triton
 import triton.language as tl
 
 from .common import arch_key, sm_count, triton_usable
+from .nsc import cast_rne, flat_nsc, nsc_strides, to_f32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_CHANNELS = 8192
 
 
 # --- kernels --------------------------------------------------------------------------------------
-
-@triton.jit
-def to_f32(v):
-    """v as fp32. A bf16 value is widened by a 16-bit shift: exact, and immune to the CPU interpreter's
-    mishandling of bf16 subnormals (on the GPU this is what the conversion instruction does anyway)."""
-    if v.dtype == tl.bfloat16:
-        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return v.to(tl.float32)
-
-
-@triton.jit
-def cast_rne(v, dst: tl.constexpr):
-    """v converted to dtype `dst`, rounding to nearest even as torch does. For bf16 this is spelled out in
-    integer ops because Triton's CPU interpreter truncates instead; on the GPU it is the same rounding as
-    cvt.rn, so both give torch's bits."""
-    if v.dtype == dst:
-        return v
-    elif dst == tl.bfloat16:
-        f = to_f32(v)
-        bits = f.to(tl.uint32, bitcast=True)
-        bits = bits + (0x7FFF + ((bits >> 16) & 1))
-        r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(f != f, f.to(tl.bfloat16), r)  # NaN: keep it NaN (the sum could carry into Inf)
-    else:
-        return to_f32(v).to(dst)
-
 
 @triton.jit
 def _tile_ptrs(base, s0, end, C, s_s, s_c, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -327,24 +301,6 @@ class Plan:
 
 # --- layouts --------------------------------------------------------------------------------------
 
-def _nsc_strides(t: torch.Tensor) -> Optional[tuple[int, int, int]]:
-    """Strides of t seen as [N, S, C] (S = the flattened D, H, W), or None if D, H, W do not collapse."""
-    spatial = [(t.shape[i], t.stride(i)) for i in (2, 3, 4) if t.shape[i] != 1]
-    for (_, outer), (size, inner) in zip(spatial, spatial[1:]):
-        if outer != size * inner:
-            return None
-    return t.stride(0), (spatial[-1][1] if spatial else 1), t.stride(1)
-
-
-def _flat(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """t with collapsible spatial dims (made channels-last when they are not) and its [N, S, C] strides."""
-    strides = _nsc_strides(t)
-    if strides is None:
-        t = t.contiguous(memory_format=torch.channels_last_3d)
-        strides = _nsc_strides(t)
-    return t, strides
-
-
 def empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An output shaped like x: contiguous if x is (NCDHW), else channels-last (the fast layout)."""
     if x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last_3d):
@@ -368,10 +324,10 @@ def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
     N, C = x.shape[:2]
     S = x[0, 0].numel()
     G = num_groups
-    x, (x_sn, x_ss, x_sc) = _flat(x)
+    x, (x_sn, x_ss, x_sc) = flat_nsc(x)
     plan = Plan(N, C, S, G, x.device, x.dtype, tile)
     y = empty_like_layout(x, out_dtype) if out is None else out
-    y_sn, y_ss, y_sc = _nsc_strides(y)
+    y_sn, y_ss, y_sc = nsc_strides(y)
     f32 = dict(dtype=torch.float32, device=x.device)
     pmean = torch.empty((N, plan.splits, C), **f32)
     pm2 = torch.empty((N, plan.splits, C), **f32)
@@ -398,11 +354,11 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
     N, C = x.shape[:2]
     S = x[0, 0].numel()
     G = num_groups
-    x, (x_sn, x_ss, x_sc) = _flat(x)
-    dy, (d_sn, d_ss, d_sc) = _flat(dy)
+    x, (x_sn, x_ss, x_sc) = flat_nsc(x)
+    dy, (d_sn, d_ss, d_sc) = flat_nsc(dy)
     plan = Plan(N, C, S, G, x.device, x.dtype, tile)
     dx = empty_like_layout(x, x.dtype) if out is None else out
-    o_sn, o_ss, o_sc = _nsc_strides(dx)
+    o_sn, o_ss, o_sc = nsc_strides(dx)
     f32 = dict(dtype=torch.float32, device=x.device)
     pg = torch.empty((N, plan.splits, C), **f32)
     pgx = torch.empty((N, plan.splits, C), **f32)

@@ -59,3 +59,28 @@ def conv_transpose3d_ref(x, w, b, stride, grad_out=None):
         return y.detach(), None, None, None
     y.backward(f64(grad_out))
     return y.detach(), x64.grad, w64.grad, None if b64 is None else b64.grad
+
+
+def seg_loss_terms(logits, labels, weight, eps, grads=None):
+    """The CE + soft Dice loss head (scaffold.loss.SegmentationLoss.terms) in float64: (loss, ce, dice (N,)),
+    and, given grads = (g_loss, g_ce, g_dice), also dL/dlogits of g_loss·loss + g_ce·ce + Σ g_dice·dice
+    as a fourth element."""
+    z = f64(logits).requires_grad_(grads is not None)
+    y = labels.detach().cpu().long()
+    c = z.shape[1]
+    logp = torch.log_softmax(z, dim=1)
+    target = (y.unsqueeze(1) == torch.arange(c).view(1, -1, 1, 1, 1)).to(torch.float64)
+    wy = f64(weight)[y]
+    ce = -(wy * (target * logp).sum(1)).sum() / wy.sum()
+    p, g = logp[:, 1:].exp(), target[:, 1:]
+    dims = (2, 3, 4)
+    present = g.sum(dims)
+    dice = (2 * (p * g).sum(dims) + eps) / (p.sum(dims) + present + eps)
+    dice = torch.where(present > 0, dice, torch.ones_like(dice)).mean(1)
+    loss = ce + (1 - dice.mean())
+    if grads is None:
+        return loss, ce, dice
+    g_loss, g_ce, g_dice = (f64(torch.as_tensor(t)) for t in grads)
+    total = g_loss * loss + g_ce * ce + (g_dice * dice).sum()
+    (dz,) = torch.autograd.grad(total, z)
+    return loss.detach(), ce.detach(), dice.detach(), dz
