@@ -23,13 +23,14 @@ run() {  # run NAME LIMIT_S CMD...: a stage with a limit, its log, one summary l
   git log -1 --format='commit %h %s' 2>/dev/null; } | tee "$summary"
 for s in $stages; do
   case $s in
-    tests) run tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    tests) run tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} tests ;;
     norm) run norm "${LIMIT_NORM:-200}" python3 scripts/gpu_check_norm.py --stages check xproc bench \
             --scales 7 8 --budget-s "${NORM_BUDGET:-150}" --out-dir "$RESULTS/norm" ;;
     train) run train "${LIMIT_TRAIN:-200}" python3 -m scaffold.train scale=7 epochs=2 progress=false \
              hydra.run.dir="$RESULTS/train_run" ;;
     minibatch) run minibatch "${LIMIT_MINIBATCH:-240}" python3 -m scaffold.bench.minibatch --scale 7 \
-                 --variants "${VARIANTS:-ladder,vendor,compiled}" --out "$RESULTS/minibatch.json" ;;
+                 --variants "${VARIANTS:-ladder,vendor,compiled}" --steps "${MB_STEPS:-10}" \
+                 --reps "${MB_REPS:-5}" --out "$RESULTS/minibatch.json" ;;
     loss) run loss 90 python3 -m scaffold.bench.loss --out "$RESULTS/loss.json" ;;
     probe) run probe 120 python3 -m scaffold.bench.determinism --scale 7 --out "$RESULTS/determinism.json" ;;
     conv) run conv "${LIMIT_CONV:-300}" python3 -m scaffold.bench.conv --scale 7 --out "$RESULTS/conv.json" ;;
