@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from scaffold.bench import norm as nb
+from scaffold.bench import write_json
 from scaffold.kernels import concat as cc
 from scaffold.kernels import groupnorm as gn
 
@@ -187,7 +188,7 @@ def main():
             SUMMARY.append(f"stage {name} failed: {msg.splitlines()[-1][:200]}")
         SUMMARY.append(f"stage {name}: {time.time() - t:.0f} s")
         os.makedirs(args.out_dir, exist_ok=True)
-        nb.write_json_atomic(os.path.join(args.out_dir, "gpu_check_norm.json"), RESULTS)
+        write_json(os.path.join(args.out_dir, "gpu_check_norm.json"), RESULTS)
     print(f"\n==== summary ({time.time() - t0:.0f} s, {RESULTS['env']}) ====")
     print("\n".join(SUMMARY))
 

@@ -2,7 +2,7 @@
 # GPU validation in one go: the gpu-marked tests, the benchmarks and a scale-7 training run, each stage
 # under its own time limit, in priority order. Logs and JSON go to $RESULTS (default bench_results/gpu),
 # packed into $OUT/results.tgz when $OUT is set.
-#   scripts/gpu_validate.sh [stage ...]     stages: tests norm train minibatch loss probe conv
+#   scripts/gpu_validate.sh [stage ...]     stages: tests norm train minibatch loss lossprof probe conv
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -33,6 +33,7 @@ for s in $stages; do
                  --reps "${MB_REPS:-5}" --out "$RESULTS/minibatch.json" ;;
     loss) run loss 90 python3 -m scaffold.bench.loss --out "$RESULTS/loss.json" ;;
     probe) run probe 120 python3 -m scaffold.bench.determinism --scale 7 --out "$RESULTS/determinism.json" ;;
+    lossprof) run lossprof 90 python3 scripts/gpu_profile_loss.py --out "$RESULTS/loss_profile.json" ;;
     conv) run conv "${LIMIT_CONV:-300}" python3 -m scaffold.bench.conv --scale 7 --out "$RESULTS/conv.json" ;;
   esac
 done
