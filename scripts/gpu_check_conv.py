@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scaffold.bench import conv as bench  # noqa: E402
+from scaffold.bench import write_json  # noqa: E402
 from scaffold.kernels import tiles  # noqa: E402
 
 T0 = time.time()
@@ -97,8 +98,8 @@ def main() -> int:
             traceback.print_exc()
             summary.append(f"BENCH {s} failed: {type(e).__name__}: {e}"[:300])
     if results:
-        bench.write_json_atomic(os.path.join(args.out, "bench.json"),
-                                {"device": torch.cuda.get_device_name(), "results": results})
+        write_json(os.path.join(args.out, "bench.json"),
+                   {"device": torch.cuda.get_device_name(), "results": results})
     print("\n==== summary (%.0f s) ====" % elapsed())
     print("\n".join(summary))
     return 0
