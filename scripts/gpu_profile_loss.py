@@ -23,7 +23,6 @@ def main() -> None:
     z = z.contiguous(memory_format=torch.channels_last_3d).requires_grad_()
     y = torch.randint(0, C, (1, e, e, e), device="cuda", generator=g)
     w = torch.linspace(0.5, 2.0, C, device="cuda")
-    head = SegmentationLoss(w).cuda()
     res = {}
 
     def fused(block_v=None):
