@@ -81,6 +81,12 @@ def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
                 from scaffold.worker import check_batch, dataset_sizes
 
                 check_batch(trial, dataset_sizes(trial.data)[0])
+    out_keys = ("hydra.run.dir", "hydra.sweep.dir")
+    for o in parsed:
+        if o.key_or_group in out_keys and not o.is_sweep_override():
+            _check_output_dir(o.key_or_group, str(o.value()))
+    if not any(o.key_or_group in out_keys for o in parsed):
+        _check_output_dir("working directory", ".")  # outputs/ and multirun/ are created there
     if int(os.environ.get("RANK", "0")) > 0:
         # Under torchrun only rank 0 decides the run directory (the worker broadcasts it); the other
         # ranks must not create directories or logs of their own.
@@ -96,6 +102,18 @@ def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
             # Continue in the run's own directory; do not let Hydra overwrite its .hydra/ record.
             argv = argv + [f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
     return argv
+
+
+def _check_output_dir(key: str, path: str) -> None:
+    """The run directory can be created: its nearest existing ancestor is a writable folder."""
+    if "${" in path:  # an interpolation Hydra resolves later: check the fixed part before it
+        path = path.split("${", 1)[0] or "."
+    ancestor = Path(path).absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path}: cannot create the run directory ({ancestor} is not a writable "
+                          "folder)")
 
 
 def resumed_config(run_dir: Path, cfg: Any, overrides: list[str]) -> Any:

@@ -168,7 +168,9 @@ def test_unwritable_output_is_one_line(tmp_path):
     blocker.write_text("not a folder")
     res = cli("progress=false", f"hydra.run.dir={blocker / 'run'}", "epochs=1",
               cwd=tmp_path)
-    assert res.returncode != 0
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot create the run directory" in lines[0], res.stderr
     assert blocker.read_text() == "not a folder"  # nothing overwritten
 
 
