@@ -150,10 +150,10 @@ class Trainer:
         net = net or self.net
         optimizer = optimizer or self.optimizer
         x = make_input(masks, self.vol.palette)
-        labels = masks.long()
         with self._autocast():
             logits = net(x)
-        loss, _, dice = self.loss_fn.terms(logits, labels)  # fp32, outside autocast
+        # The uint8 masks are the labels: the loss reads them as they are (no int64 copy per step).
+        loss, _, dice = self.loss_fn.terms(logits, masks)  # fp32, outside autocast
         loss.backward()
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(net.parameters(), self.cfg.optim.grad_clip, foreach=True)
@@ -206,11 +206,10 @@ class Trainer:
         dice_sum = torch.zeros((), device=self.device)
         for i in range(0, val.shape[0], self.cfg.batch_size):
             masks = val[i:i + self.cfg.batch_size]
-            labels = masks.long()
             with self._autocast():
                 logits = net(make_input(masks, self.vol.palette))
-            loss_sum += per_sample_loss(self.loss_fn, logits, labels).sum()
-            dice_sum += hard_dice(logits, labels, self.n_classes).sum()
+            loss_sum += per_sample_loss(self.loss_fn, logits, masks).sum()
+            dice_sum += hard_dice(logits, masks, self.n_classes).sum()
         net.train()
         return loss_sum, dice_sum, val.shape[0]
 
@@ -239,8 +238,8 @@ class Trainer:
         masks = self.vol.val[: self.cfg.batch_size]
         with self._autocast():
             logits = net(make_input(masks, self.vol.palette))
-        per_sample_loss(self.loss_fn, logits, masks.long())
-        hard_dice(logits, masks.long(), self.n_classes)
+        per_sample_loss(self.loss_fn, logits, masks)
+        hard_dice(logits, masks, self.n_classes)
 
     # ------------------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:

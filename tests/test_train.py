@@ -229,9 +229,10 @@ def test_torchrun_two_cpu_ranks_share_one_run_directory(cache, tmp_path):
     if torchrun is None:
         pytest.skip("torchrun is not on PATH")
     res = subprocess.run(
-        [torchrun, "--nproc-per-node=2", "-m", "scaffold.train", *tiny_args(cache), "data.n_instances=12",
+        # --standalone: a rendezvous on a free local port, so nothing else on the machine can collide.
+        [torchrun, "--standalone", "--nproc-per-node=2", "-m", "scaffold.train", *tiny_args(cache), "data.n_instances=12",
          "epochs=2", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
         env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 0, res.stderr[-3000:]
     rows = read_rows(tmp_path / "run" / "train_stats.csv")
