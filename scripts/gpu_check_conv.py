@@ -1,4 +1,4 @@
-"""One GPU session for the conv kernels: correctness at real shapes, optional tuning, timing vs cuDNN.
+"""One run on a GPU for the conv kernels: correctness at real shapes, optional tuning, timing vs cuDNN.
 
     PYTHONPATH=. python3 scripts/gpu_check_conv.py --out DIR [--check 7] [--tune 7] [--bench 7,8]
         [--budget 280]
@@ -36,7 +36,7 @@ def elapsed() -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default="bench_results/gpu_conv")
     p.add_argument("--check", type=int, default=0)
     p.add_argument("--tune", type=int, default=0)
     p.add_argument("--tune-sites", default="")

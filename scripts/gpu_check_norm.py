@@ -1,6 +1,6 @@
-"""One GPU session for the GroupNorm(+ReLU) and concat kernels: correctness at real shapes, the gpu tests,
+"""One run on a GPU for the GroupNorm(+ReLU) and concat kernels: correctness at real shapes, the gpu tests,
 a tile sweep, and the benchmark against ATen and torch.compile. Prints a compact table last and writes
-JSON under $OUT (or --out-dir).
+JSON under --out-dir (default bench_results/gpu_norm).
 
     PYTHONPATH=. python3 scripts/gpu_check_norm.py --stages check tests sweep bench --scales 7
 """
@@ -163,7 +163,7 @@ def main():
     p.add_argument("--stages", nargs="+", default=["check", "tests", "sweep", "bench"])
     p.add_argument("--scales", type=int, nargs="+", default=[7])
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--out-dir", default=os.environ.get("OUT", "."))
+    p.add_argument("--out-dir", default="bench_results/gpu_norm")
     p.add_argument("--budget-s", type=float, default=270.0, help="start nothing new after this")
     args = p.parse_args()
     t0 = time.time()

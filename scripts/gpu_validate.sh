@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation in one go: the gpu-marked tests, the benchmarks and a scale-7 training run, each stage
 # under its own time limit, in priority order. Logs and JSON go to $RESULTS (default bench_results/gpu),
-# packed into $OUT/results.tgz when $OUT is set.
+# packed into $ARCHIVE_DIR/results.tgz when ARCHIVE_DIR is set (to carry them off a remote machine).
 #   scripts/gpu_validate.sh [stage ...]     stages: tests norm train minibatch loss lossprof probe conv
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +37,8 @@ for s in $stages; do
     conv) run conv "${LIMIT_CONV:-300}" python3 -m scaffold.bench.conv --scale 7 --out "$RESULTS/conv.json" ;;
   esac
 done
-if [ -n "${OUT:-}" ]; then
+if [ -n "${ARCHIVE_DIR:-}" ]; then
   rm -rf "$RESULTS/train_run/checkpoints"
-  tar czf "$OUT/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
-  cp "$summary" "$OUT/summary.txt"
+  tar czf "$ARCHIVE_DIR/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+  cp "$summary" "$ARCHIVE_DIR/summary.txt"
 fi
