@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid import voxel_coords
 from .splits import split_count, sum_splits
 
 
@@ -27,12 +28,7 @@ def _bias_grad_kernel(g_ptr, p_ptr, M, C, CHUNK, OD, OH, OW, sgn, sgc, sgd, sgh,
     for m0 in range(m_start, m_end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < m_end
-        ow = offs_m % OW
-        t = offs_m // OW
-        oh = t % OH
-        t = t // OH
-        od = t % OD
-        nb = t // OD
+        nb, od, oh, ow = voxel_coords(offs_m, OD, OH, OW)
         row = (nb.to(tl.int64) * sgn + od.to(tl.int64) * sgd + oh.to(tl.int64) * sgh
                + ow.to(tl.int64) * sgw)
         acc += tl.load(g_ptr + row[:, None] + offs_c[None, :].to(tl.int64) * sgc,

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .conv_fwd import dot_mode, mma
+from .grid import voxel_coords
 from .splits import split_count, sum_splits
 
 
@@ -66,12 +67,7 @@ def _conv_wgrad_kernel(
     for m0 in range(m_start, m_end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < m_end
-        ow = offs_m % OW
-        t = offs_m // OW
-        oh = t % OH
-        t = t // OH
-        od = t % OD
-        nb = t // OD
+        nb, od, oh, ow = voxel_coords(offs_m, OD, OH, OW)
         g_row = (nb.to(tl.int64) * sgn + od.to(tl.int64) * sgd + oh.to(tl.int64) * sgh
                  + ow.to(tl.int64) * sgw)
         g = tl.load(g_ptr + g_row[:, None] + offs_r[None, :].to(tl.int64) * sgc,

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid import grouped_program, voxel_coords
+
 
 @triton.jit
 def mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -49,25 +51,13 @@ def _conv_gather_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped program order: GROUP_M row blocks share their column blocks while they sit in L2.
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    blocks_n = tl.cdiv(CO, BLOCK_N)
-    per_group = GROUP_M * blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_program(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(CO, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < CO
-    ow = offs_m % OW
-    t = offs_m // OW
-    oh = t % OH
-    t = t // OH
-    od = t % OD
-    nb = t // OD
+    nb, od, oh, ow = voxel_coords(offs_m, OD, OH, OW)
     # int64 voxel offsets: a 256³ activation with 128 channels has more than 2^31 elements.
     x_batch = nb.to(tl.int64) * sxn
     w_cols = offs_n.to(tl.int64) * swn

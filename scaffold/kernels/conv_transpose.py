@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .conv_fwd import dot_mode, mma
+from .grid import grouped_program, voxel_coords
 
 
 @triton.jit
@@ -33,25 +34,13 @@ def _convT_scatter_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     J = KD * KH * KW * CO
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    blocks_n = tl.cdiv(J, BLOCK_N)
-    per_group = GROUP_M * blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_program(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(J, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_j = offs_j < J
-    iw = offs_m % IW
-    t = offs_m // IW
-    ih = t % IH
-    t = t // IH
-    idd = t % ID
-    nb = t // ID
+    nb, idd, ih, iw = voxel_coords(offs_m, ID, IH, IW)
     co = offs_j % CO
     tap = offs_j // CO
     kw = tap % KW
