@@ -61,5 +61,8 @@ def barrier(place: Place) -> None:
 
 
 def shutdown(place: Place) -> None:
+    """Leave the group together: a rank that tears down while another still works (rank 0 writing
+    figures and results) can leave the group's teardown waiting forever."""
     if place.world > 1 and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
