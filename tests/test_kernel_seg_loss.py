@@ -89,6 +89,30 @@ def test_gradient_of_every_output():
     assert rel_err(dz, e_dz) < 1e-5
 
 
+def test_unused_outputs_pass_no_gradient():
+    # Only ce is differentiated: loss and dice get None (nothing materialised); the result must be the
+    # gradient of ce alone.
+    z, y, w = make(C=5, absent=(3,), seed=7)
+    x = z.clone().requires_grad_()
+    _, ce, _ = sl.seg_loss_terms(x, y, w, EPS, block_v=8)
+    (dz,) = torch.autograd.grad(ce, x)
+    *_, e_dz = ref.seg_loss_terms(z, y, w, EPS, grads=(0.0, 1.0, torch.zeros(2)))
+    assert rel_err(dz, e_dz) < 1e-5
+
+
+def test_many_splits_fixed_tree():
+    # More split slots than the finalize program's block: its loop over slot blocks runs several times.
+    z, y, w = make(N=2, C=6, spatial=(5, 6, 7), absent=(2,), seed=8)
+    tile = (4, 1, 64)
+    plan = sl.Plan(2, 5 * 6 * 7, 6, z.device, tile=tile)
+    assert plan.splits > plan.block_p
+    loss, ce, dice, sums = sl.forward(z, y, w, EPS, tile=tile)
+    dz = sl.backward(z, y, w, sums, EPS, torch.tensor(1.0), None, None, tile=tile)
+    e_loss, e_ce, e_dice, e_dz = ref.seg_loss_terms(z, y, w, EPS, grads=(1.0, 0.0, torch.zeros(2)))
+    for out, e in ((loss, e_loss), (ce, e_ce), (dice, e_dice), (dz, e_dz)):
+        assert rel_err(out, e) < 1e-5
+
+
 def test_reference_is_the_eager_head():
     # The float64 reference is the function SegmentationLoss computes (there in fp32).
     z, y, w = make(C=6, absent=(5,), seed=1)

@@ -1,4 +1,4 @@
-"""The CE + soft Dice loss head fused into two voxel passes (forward and backward), deterministic.
+"""The CE + soft Dice loss head fused into three launches (two forward, one backward), deterministic.
 
 The function is scaffold.loss.SegmentationLoss.terms: with p = softmax(z) per voxel (fp32), y the label,
   CE   = Σ_v w[y_v]·(−log p_y(v)) / Σ_v w[y_v]                     over the whole batch
@@ -10,20 +10,22 @@ Forward. Logits are viewed as [N, V, C] through strides (V = D·H·W flattened: 
 without a copy; other layouts are first made channels-last). Grid (splits, N): each program walks its
 contiguous run of voxels in tiles [BLOCK_V, BLOCK_C], upcasts to fp32, takes max, log-sum-exp, log p_y and
 p, and accumulates element-wise in registers K = 2 + 3C sums: Σ w·nll, Σ w, and per class I, P, G. It
-stores them once, to its own slot of an fp32 partials buffer [splits, N, K]; `splits.sum_splits` adds
-the slots in index order. The few remaining operations (CE, per-class Dice, loss) are torch ops on
-[N, K] device tensors. No atomics and no host reads: the split count is a pure function of (N, V, C,
-device), so the bits are too.
+stores them once, to its own slot of an fp32 partials buffer [N, splits, K]. Splits are many (about 16
+programs per multiprocessor: a streaming reduction needs loads in flight). A second launch, one program,
+adds each sample's slots as one fixed tree (the same every call), stores the sums [N, K] for the
+backward and computes CE, each sample's Dice and the loss. No atomics and no host reads: the split count
+and the tree are pure functions of (N, V, C, device), so the bits are too.
 
-Backward (autograd). From the saved sums, per (n, c) coefficients are built on the device so that
-dL/dp_c(v) = A_nc·[y_v = c] + B_nc (the Dice part; zero for the background and for absent classes,
-as torch.where gives) and the CE part is s·w[y]·(p_c − [c = y]) with s = (dL/dCE)/Σ w. One pass over the
-voxels recomputes p and writes dz_c = s·w[y]·(p_c − [c = y]) + p_c·(a_c − Σ_j a_j·p_j), a = A·[y=c] + B,
-in the logits' dtype and layout. The incoming gradients (0-d and (N,) device tensors) are folded into
-A, B and s, so nothing is read on the host.
+Backward (autograd), one launch. Every program rebuilds its sample's coefficients from the saved sums
+(a few dozen flops) so that dL/dp_c(v) = A_nc·[y_v = c] + B_nc (the Dice part; zero for the background
+and for absent classes) and the CE part is s·w[y]·(p_c − [c = y]) with s = (dL/dCE)/Σ w; then it
+recomputes p for its voxel tile and writes dz_c = s·w[y]·(p_c − [c = y]) + p_c·(a_c − Σ_j a_j·p_j),
+a = A·[y=c] + B, in the logits' dtype and layout. The incoming gradients (0-d and (N,) device tensors,
+or None for an unused output) are read on the device, so nothing is read on the host.
 
 Labels must lie in [0, C): a voxel with any other label adds nothing (the eager head would fail on it);
-check a dataset once with scaffold.loss.check_labels.
+check a dataset once with scaffold.loss.check_labels. uint8 labels (what the trainer passes) are read
+as such: a quarter of int64's bytes.
 """
 from __future__ import annotations
 
@@ -33,11 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import triton_usable
+from .common import arch_key, sm_count, triton_usable
 # The bf16 widening and round-to-nearest-even store that survive Triton's CPU interpreter, and the
 # [N, S, C] stride view of a 5-D tensor: shared with the GroupNorm kernels.
 from .nsc import cast_rne, flat_nsc, nsc_strides, to_f32
-from .splits import split_count, sum_splits
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_CLASSES = 16
@@ -68,9 +69,9 @@ def _softmax_tile(z_base, y_base, w, v0, end, C, z_sv, z_sc, y_sv,
 
 
 @triton.jit
-def _fwd_partials_kernel(z_ptr, y_ptr, w_ptr, part_ptr, N, V, C, K, chunk,
-                         z_sn, z_sv, z_sc, y_sn, y_sv,
-                         BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
+def _loss_fwd_partials_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, C, K, chunk, splits,
+                              z_sn, z_sv, z_sc, y_sn, y_sv,
+                              BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
     split = tl.program_id(0)
     n = tl.program_id(1)
     start = split * chunk
@@ -94,7 +95,7 @@ def _fwd_partials_kernel(z_ptr, y_ptr, w_ptr, part_ptr, N, V, C, K, chunk,
         inter += tl.where(onehot, p, 0.0)
         psum += tl.where(mask, p, 0.0)
         gsum += onehot.to(tl.float32)
-    out = part_ptr + (split * N + n).to(tl.int64) * K
+    out = part_ptr + (n * splits + split).to(tl.int64) * K
     tl.store(out, tl.sum(nll, axis=0))
     tl.store(out + 1, tl.sum(wsum, axis=0))
     tl.store(out + 2 + cols, tl.sum(inter, axis=0), mask=cmask)
@@ -103,17 +104,82 @@ def _fwd_partials_kernel(z_ptr, y_ptr, w_ptr, part_ptr, N, V, C, K, chunk,
 
 
 @triton.jit
-def _bwd_kernel(z_ptr, y_ptr, w_ptr, coef_ptr, scale_ptr, dz_ptr, V, C,
-                z_sn, z_sv, z_sc, y_sn, y_sv, d_sn, d_sv, d_sc,
-                BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
+def _loss_finalize_kernel(part_ptr, sums_ptr, loss_ptr, ce_ptr, dice_ptr, N, C, K, splits, eps,
+                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program: per sample, the split partials summed in a fixed order (the same tree every call),
+    the sums stored for the backward, the sample's soft Dice; then CE and the loss over the batch."""
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    foreground = cmask & (cols >= 1)
+    zero = tl.sum(tl.zeros([BLOCK_P], tl.float32), axis=0)
+    nll_total = zero
+    w_total = zero
+    dice_total = zero
+    for n in range(0, N):
+        a_nll = tl.zeros([BLOCK_P], tl.float32)
+        a_w = tl.zeros([BLOCK_P], tl.float32)
+        a_i = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+        a_p = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+        a_g = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+        for p0 in range(0, splits, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            pmask = p < splits
+            row = part_ptr + (n * splits + p).to(tl.int64) * K
+            m2 = pmask[:, None] & cmask[None, :]
+            a_nll += tl.load(row, mask=pmask, other=0.0)
+            a_w += tl.load(row + 1, mask=pmask, other=0.0)
+            a_i += tl.load(row[:, None] + 2 + cols[None, :], mask=m2, other=0.0)
+            a_p += tl.load(row[:, None] + 2 + C + cols[None, :], mask=m2, other=0.0)
+            a_g += tl.load(row[:, None] + 2 + 2 * C + cols[None, :], mask=m2, other=0.0)
+        nll = tl.sum(a_nll, axis=0)
+        wsum = tl.sum(a_w, axis=0)
+        inter = tl.sum(a_i, axis=0)
+        psum = tl.sum(a_p, axis=0)
+        gsum = tl.sum(a_g, axis=0)
+        out = sums_ptr + n * K
+        tl.store(out, nll)
+        tl.store(out + 1, wsum)
+        tl.store(out + 2 + cols, inter, mask=cmask)
+        tl.store(out + 2 + C + cols, psum, mask=cmask)
+        tl.store(out + 2 + 2 * C + cols, gsum, mask=cmask)
+        dice_c = tl.where(gsum > 0.0, (2.0 * inter + eps) / (psum + gsum + eps), 1.0)
+        dice = tl.sum(tl.where(foreground, dice_c, 0.0), axis=0) / (C - 1)
+        tl.store(dice_ptr + n, dice)
+        nll_total += nll
+        w_total += wsum
+        dice_total += dice
+    ce = nll_total / w_total
+    tl.store(ce_ptr, ce)
+    tl.store(loss_ptr, ce + (1.0 - dice_total / N))
+
+
+@triton.jit
+def _loss_bwd_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_ptr, N, V, C, K, eps,
+                     z_sn, z_sv, z_sc, y_sn, y_sv, d_sn, d_sv, d_sc,
+                     HAS_GL: tl.constexpr, HAS_GC: tl.constexpr, HAS_GD: tl.constexpr,
+                     BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
     v0 = tl.program_id(0) * BLOCK_V  # tiles on axis 0: grid axes 1 and 2 stop at 65535
     n = tl.program_id(1)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
-    a_coef = tl.load(coef_ptr + (2 * n) * C + cols, mask=cmask, other=0.0)
-    b_coef = tl.load(coef_ptr + (2 * n + 1) * C + cols, mask=cmask, other=0.0)
-    ce_scale = tl.load(scale_ptr)
+    # The per-sample coefficients, rebuilt by every program from the saved sums (a few dozen flops):
+    # dL/dp_c(v) = a_c·[y_v = c] + b_c for the Dice part, s·w[y]·(p − onehot) for the CE part.
+    w_total = tl.load(sums_ptr + 1)
+    for m in range(1, N):  # the batch's Σ w, in sample order
+        w_total += tl.load(sums_ptr + m * K + 1)
+    g_loss = tl.load(gl_ptr) if HAS_GL else 0.0
+    g_ce = tl.load(gc_ptr) if HAS_GC else 0.0
+    g_dice = tl.load(gd_ptr + n) if HAS_GD else 0.0
+    ce_scale = (g_loss + g_ce) / w_total
+    beta = (g_dice - g_loss / N) / (C - 1)  # d(loss)/d(dice_n) = −g_loss/N; the mean over C − 1
+    row = sums_ptr + n * K + 2
+    inter = tl.load(row + cols, mask=cmask, other=0.0)
+    gsum = tl.load(row + 2 * C + cols, mask=cmask, other=0.0)
+    denom = tl.load(row + C + cols, mask=cmask, other=0.0) + gsum + eps
+    present = (cols >= 1) & cmask & (gsum > 0.0)
+    a_coef = tl.where(present, beta * 2.0 / denom, 0.0)
+    b_coef = tl.where(present, -beta * (2.0 * inter + eps) / (denom * denom), 0.0)
     _logp, p, onehot, wy, mask, _rmask = _softmax_tile(
         z_ptr + n.to(tl.int64) * z_sn, y_ptr + n.to(tl.int64) * y_sn, w, v0, V, C, z_sv, z_sc, y_sv,
         BLOCK_V, BLOCK_C)
@@ -128,21 +194,39 @@ def _bwd_kernel(z_ptr, y_ptr, w_ptr, coef_ptr, scale_ptr, dz_ptr, V, C,
 
 # --- launch geometry --------------------------------------------------------------------------------
 
+# (arch) -> (voxels per tile, warps, forward split programs per multiprocessor). Filled from
+# scripts/gpu_profile_loss.py sweeps; other devices use the heuristic below.
+TILE_TABLE: dict[str, tuple[int, int, int]] = {
+}
+
+
+def _heuristic_tile(arch: str, block_c: int) -> tuple[int, int, int]:
+    if arch == "cpu":
+        return max(16, 256 // block_c), 4, 4  # the interpreter pays per tile, not per element
+    # Many programs in flight: the forward is a streaming reduction, latency-bound with few.
+    return max(16, 2048 // block_c), 4, 16
+
+
 class Plan:
     """Tile and split sizes of one call: a pure function of (N, V, C, device) and an optional tile
     override (tests use tiny tiles to get many splits at tiny shapes)."""
 
-    def __init__(self, N: int, V: int, C: int, device: torch.device, block_v: Optional[int] = None):
+    def __init__(self, N: int, V: int, C: int, device: torch.device, block_v: Optional[int] = None,
+                 tile: Optional[tuple[int, int, int]] = None):
         self.block_c = triton.next_power_of_2(C)
-        elems = 2048 if device.type == "cuda" else 256  # the interpreter pays per tile, not per element
-        self.block_v = block_v or max(16, elems // self.block_c)
-        self.num_warps = 4
+        arch = arch_key(device)
+        bv, self.num_warps, per_sm = tile or TILE_TABLE.get(arch) or _heuristic_tile(arch, self.block_c)
+        self.block_v = block_v or bv
         self.k = 2 + 3 * C
         steps = triton.cdiv(V, self.block_v)
-        splits = split_count(device, N, steps, N * self.k)
+        # Splits per sample: about per_sm programs per multiprocessor over the batch, each walking at
+        # least two tiles. A pure function of shape and device, so the fixed summation order is too.
+        splits = max(1, min(triton.cdiv(per_sm * sm_count(device), N), steps // 2))
         self.chunk = triton.cdiv(steps, splits) * self.block_v
         self.splits = triton.cdiv(V, self.chunk)
         self.tiles = steps
+        self.block_p = max(16, min(triton.next_power_of_2(self.splits), 512 if device.type == "cuda"
+                                   else 16))
 
 
 def _label_view(labels: torch.Tensor) -> torch.Tensor:
@@ -152,53 +236,31 @@ def _label_view(labels: torch.Tensor) -> torch.Tensor:
 
 # --- launchers (tests call these directly, e.g. with a NaN-poisoned `out`) ---------------------------
 
-def forward_sums(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
-                 block_v: Optional[int] = None) -> torch.Tensor:
-    """The per-sample sums [N, K] (K = 2 + 3C: Σ w·nll, Σ w, then I, P, G per class), fp32."""
+def forward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, eps: float,
+            block_v: Optional[int] = None, tile=None):
+    """(loss, ce, dice (N,), sums [N, K]); K = 2 + 3C: Σ w·nll, Σ w, then I, P, G per class. Two launches:
+    the split partials, then one program for the fixed-order sums and the terms."""
     N, C = logits.shape[:2]
     z, (z_sn, z_sv, z_sc) = flat_nsc(logits)
     y = _label_view(labels)
     V = y.shape[1]
-    plan = Plan(N, V, C, logits.device, block_v)
-    partials = torch.empty((plan.splits, N * plan.k), dtype=torch.float32, device=logits.device)
-    _fwd_partials_kernel[(plan.splits, N)](
-        z, y, weight, partials, N, V, C, plan.k, plan.chunk, z_sn, z_sv, z_sc, y.stride(0), y.stride(1),
-        BLOCK_V=plan.block_v, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
-    sums = torch.empty((N, plan.k), dtype=torch.float32, device=logits.device)
-    sum_splits(partials, sums.view(-1))
-    return sums
+    plan = Plan(N, V, C, logits.device, block_v, tile)
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    partials = torch.empty((N, plan.splits, plan.k), **f32)
+    sums = torch.empty((N, plan.k), **f32)
+    loss, ce, dice = torch.empty((), **f32), torch.empty((), **f32), torch.empty((N,), **f32)
+    _loss_fwd_partials_kernel[(plan.splits, N)](
+        z, y, weight, partials, V, C, plan.k, plan.chunk, plan.splits, z_sn, z_sv, z_sc,
+        y.stride(0), y.stride(1), BLOCK_V=plan.block_v, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+    _loss_finalize_kernel[(1,)](partials, sums, loss, ce, dice, N, C, plan.k, plan.splits, float(eps),
+                                BLOCK_P=plan.block_p, BLOCK_C=plan.block_c, num_warps=4)
+    return loss, ce, dice, sums
 
 
-def _class_sums(sums: torch.Tensor, C: int):
-    """(I, P, G) of the foreground classes, each [N, C − 1]."""
-    return tuple(sums[:, 2 + j * C + 1: 2 + (j + 1) * C] for j in range(3))
-
-
-def terms_from_sums(sums: torch.Tensor, C: int, eps: float):
-    """(loss, ce, dice (N,)) from the per-sample sums; tiny device ops, no host reads."""
-    ce = sums[:, 0].sum() / sums[:, 1].sum()
-    inter, psum, gsum = _class_sums(sums, C)
-    dice = (2 * inter + eps) / (psum + gsum + eps)
-    dice = torch.where(gsum > 0, dice, torch.ones_like(dice)).mean(1)
-    return ce + (1 - dice.mean()), ce, dice
-
-
-def backward_coefficients(sums: torch.Tensor, C: int, eps: float, g_loss: torch.Tensor,
-                          g_ce: torch.Tensor, g_dice: torch.Tensor):
-    """(coef [N, 2, C], ce_scale [1]): dL/dp_c(v) = coef[n, 0, c]·[y_v = c] + coef[n, 1, c] for the Dice
-    terms, and the CE gradient's factor (dL/dCE)/Σ w."""
-    N = sums.shape[0]
-    ce_scale = ((g_loss + g_ce) / sums[:, 1].sum()).reshape(1)
-    inter, psum, gsum = _class_sums(sums, C)
-    # d(loss)/d(dice_n) = −g_loss/N, plus dice_n's own incoming gradient; dice_n averages C − 1 classes.
-    beta = ((g_dice - g_loss / N) / (C - 1)).reshape(N, 1)
-    denom = psum + gsum + eps
-    zero = torch.zeros_like(denom)
-    a = torch.where(gsum > 0, beta * 2 / denom, zero)
-    b = torch.where(gsum > 0, -beta * (2 * inter + eps) / (denom * denom), zero)
-    background = sums.new_zeros((N, 1))
-    coef = torch.stack([torch.cat([background, a], 1), torch.cat([background, b], 1)], 1)
-    return coef.contiguous(), ce_scale.contiguous()
+def forward_sums(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                 block_v: Optional[int] = None, eps: float = 1e-6) -> torch.Tensor:
+    """The per-sample sums [N, K] alone (what the backward needs)."""
+    return forward(logits, labels, weight, eps, block_v)[3]
 
 
 def empty_grad_like(logits: torch.Tensor) -> torch.Tensor:
@@ -210,20 +272,25 @@ def empty_grad_like(logits: torch.Tensor) -> torch.Tensor:
 
 
 def backward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, sums: torch.Tensor,
-             eps: float, g_loss: torch.Tensor, g_ce: torch.Tensor, g_dice: torch.Tensor,
-             out: Optional[torch.Tensor] = None, block_v: Optional[int] = None) -> torch.Tensor:
-    """dL/dlogits for L = g_loss·loss + g_ce·ce + Σ_n g_dice[n]·dice[n], in the logits' dtype."""
+             eps: float, g_loss: Optional[torch.Tensor], g_ce: Optional[torch.Tensor],
+             g_dice: Optional[torch.Tensor], out: Optional[torch.Tensor] = None,
+             block_v: Optional[int] = None, tile=None) -> torch.Tensor:
+    """dL/dlogits for L = g_loss·loss + g_ce·ce + Σ_n g_dice[n]·dice[n] (None: no such term), in the
+    logits' dtype and layout. One launch: each program rebuilds the per-sample coefficients itself."""
     N, C = logits.shape[:2]
     z, (z_sn, z_sv, z_sc) = flat_nsc(logits)
     y = _label_view(labels)
     V = y.shape[1]
-    plan = Plan(N, V, C, logits.device, block_v)
-    coef, ce_scale = backward_coefficients(sums, C, eps, g_loss, g_ce, g_dice)
+    plan = Plan(N, V, C, logits.device, block_v, tile)
     dz = empty_grad_like(logits) if out is None else out
     d_sn, d_sv, d_sc = nsc_strides(dz)
-    _bwd_kernel[(plan.tiles, N)](
-        z, y, weight, coef, ce_scale, dz, V, C, z_sn, z_sv, z_sc, y.stride(0), y.stride(1),
-        d_sn, d_sv, d_sc, BLOCK_V=plan.block_v, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+    gl, gc, gd = (t.detach().to(torch.float32).contiguous() if t is not None else sums
+                  for t in (g_loss, g_ce, g_dice))
+    _loss_bwd_kernel[(plan.tiles, N)](
+        z, y, weight, sums, gl, gc, gd, dz, N, V, C, plan.k, float(eps), z_sn, z_sv, z_sc,
+        y.stride(0), y.stride(1), d_sn, d_sv, d_sc,
+        HAS_GL=g_loss is not None, HAS_GC=g_ce is not None, HAS_GD=g_dice is not None,
+        BLOCK_V=plan.block_v, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
     return dz
 
 
@@ -232,13 +299,16 @@ def backward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, s
 class _SegLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, weight, eps, block_v):
-        sums = forward_sums(logits, labels, weight, block_v)
+        loss, ce, dice, sums = forward(logits, labels, weight, eps, block_v)
         ctx.save_for_backward(logits, labels, weight, sums)
         ctx.eps, ctx.block_v = eps, block_v
-        return terms_from_sums(sums, logits.shape[1], eps)
+        ctx.set_materialize_grads(False)  # unused outputs pass None: no zero tensors to launch
+        return loss, ce, dice
 
     @staticmethod
     def backward(ctx, g_loss, g_ce, g_dice):
+        if g_loss is None and g_ce is None and g_dice is None:
+            return None, None, None, None, None
         logits, labels, weight, sums = ctx.saved_tensors
         dz = backward(logits, labels, weight, sums, ctx.eps, g_loss, g_ce, g_dice, block_v=ctx.block_v)
         return dz, None, None, None, None
