@@ -24,6 +24,7 @@ from scaffold.kernels import groupnorm as gn
 
 CL = torch.channels_last_3d
 RESULTS: dict = {}
+DEADLINE = [float("inf")]  # time.time() after which long stages start nothing new
 SUMMARY: list[str] = []
 
 
@@ -122,30 +123,75 @@ def stage_digest():
     print(check_site(128, 64)["digest"])
 
 
-# (elements per tile, warps, split programs per SM); the first is the heuristic default.
-SWEEP = [(4096, 8, 4), (4096, 8, 8), (8192, 8, 8), (2048, 4, 8), (4096, 8, 16)]
+# Split (statistics) passes: (elements per tile, warps, programs per SM); elementwise (normalize, dx)
+# passes: (elements per tile, warps). Swept one side at a time, the other at the heuristic's value
+# (the first entry of each list); device time from CUDA-graph replays, L2 flushed before each.
+SWEEP_RED = [(4096, 8, 4), (4096, 8, 8), (8192, 8, 4), (2048, 4, 8), (2048, 4, 16), (16384, 16, 2)]
+SWEEP_EW = [(4096, 8), (2048, 4), (8192, 8), (16384, 16)]
+SWEEP_SITES = [(64, 128), (128, 64), (256, 32), (512, 16), (1024, 8), (2048, 8), (64, 256)]
 
 
 def stage_sweep():
+    from scaffold.bench.timing import graph_ms
+
     rows = []
-    for C, edge in [(64, 128), (512, 16)]:
+    red0, ew0 = SWEEP_RED[0], SWEEP_EW[0]
+    configs = [r + ew0 for r in SWEEP_RED] + [red0 + e for e in SWEEP_EW[1:]]
+    for C, edge in SWEEP_SITES:
         x, w, b, dy = make(C, edge)
         dyb = dy.to(torch.bfloat16)
-        for tile in SWEEP:
+        del dy
+        for tile in configs:
+            if time.time() > DEADLINE[0]:
+                rows.append(dict(C=C, edge=edge, tile=tile, error="skipped: out of time"))
+                continue
             try:
                 y, mean, rstd = gn.forward(x, 8, w, b, 1e-5, True, torch.bfloat16, tile=tile)
-                f = nb.median_ms(lambda: gn.forward(x, 8, w, b, 1e-5, True, torch.bfloat16, tile=tile))
-                bw = nb.median_ms(lambda: gn.backward(dyb, x, w, b, mean, rstd, 8, True, tile=tile))
+                f = graph_ms(lambda: gn.forward(x, 8, w, b, 1e-5, True, torch.bfloat16, tile=tile))
+                bw = graph_ms(lambda: gn.backward(dyb, x, w, b, mean, rstd, 8, True, tile=tile))
+                # Bytes the kernels move: forward 2 reads + 1 write, backward 4 reads + 1 write (bf16).
                 rows.append(dict(C=C, edge=edge, tile=tile, fwd_ms=f, bwd_ms=bw,
-                                 tb_s=x.numel() * 10 / ((f + bw) * 1e-3) / 1e12))
+                                 tb_s=x.numel() * 16 / ((f + bw) * 1e-3) / 1e12))
+                del y, mean, rstd
             except Exception as exc:
                 rows.append(dict(C=C, edge=edge, tile=tile, error=str(exc)[:300]))
             print(rows[-1], flush=True)
+        del x, dyb
+        torch.cuda.empty_cache()
     RESULTS["sweep"] = rows
     for r in rows:
         if "fwd_ms" in r:
-            SUMMARY.append(f"sweep {r['C']}@{r['edge']}^3 tile {r['tile']}: fwd {r['fwd_ms']:.3f} "
-                           f"bwd {r['bwd_ms']:.3f} ms ({r['tb_s']:.2f} TB/s at the 10 B/elem floor)")
+            SUMMARY.append(f"sweep {r['C']}@{r['edge']}^3 tile {r['tile']}: fwd {r['fwd_ms']:.4f} "
+                           f"bwd {r['bwd_ms']:.4f} ms ({r['tb_s']:.2f} TB/s of kernel traffic)")
+        else:
+            SUMMARY.append(f"sweep {r['C']}@{r['edge']}^3 tile {r['tile']}: {r.get('error', '')[:150]}")
+
+
+def stage_profile():
+    """Per-kernel device time of one forward + backward at each scale-7 site (torch.profiler)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for C, edge in SWEEP_SITES[:5]:
+        x, w, b, dy = make(C, edge)
+        dyb = dy.to(torch.bfloat16)
+        for _ in range(2):
+            y, mean, rstd = gn.forward(x, 8, w, b, 1e-5, True, torch.bfloat16)
+            gn.backward(dyb, x, w, b, mean, rstd, 8, True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                y, mean, rstd = gn.forward(x, 8, w, b, 1e-5, True, torch.bfloat16)
+                gn.backward(dyb, x, w, b, mean, rstd, 8, True)
+            torch.cuda.synchronize()
+        per: dict = {}
+        for evt in prof.events():
+            if evt.device_type == DeviceType.CUDA:
+                per[evt.name] = per.get(evt.name, 0.0) + evt.time_range.elapsed_us() / 5
+        rows.append(dict(C=C, edge=edge, kernels_us=per))
+        SUMMARY.append(f"profile {C}@{edge}^3 us: " + ", ".join(f"{k[:24]} {v:.1f}" for k, v in per.items()))
+    RESULTS["profile"] = rows
 
 
 def stage_bench(scales, compile_too, deadline):
@@ -167,9 +213,11 @@ def main():
     p.add_argument("--budget-s", type=float, default=270.0, help="start nothing new after this")
     args = p.parse_args()
     t0 = time.time()
+    DEADLINE[0] = t0 + args.budget_s
     RESULTS["env"] = dict(torch=torch.__version__, device=torch.cuda.get_device_name(),
                           triton=__import__("triton").__version__)
     stages = dict(check=stage_check, tests=stage_tests, sweep=stage_sweep, xproc=stage_xproc,
+                  profile=stage_profile,
                   digest=stage_digest,
                   bench=lambda: stage_bench(args.scales, not args.no_compile, t0 + args.budget_s))
     if args.stages == ["digest"]:

@@ -1,15 +1,22 @@
-"""Where the loss head's time goes on the GPU: kernel table of one fused forward+backward, and the fused
-path's tile size swept (do_bench medians), beside the eager form. Prints a table; JSON to --out."""
+"""Where the loss head's time goes on the GPU: the fused path's tile and split configurations swept
+(device time from CUDA-graph replays, and as launched from Python), beside the eager form, and a kernel
+table of one fused forward + backward. Prints a table; JSON to --out.
+
+    python scripts/gpu_profile_loss.py [--edge 128]
+"""
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
-from triton.testing import do_bench
 
 from scaffold.bench import write_json
+from scaffold.bench.timing import graph_ms, wall_ms
 from scaffold.kernels import seg_loss
 from scaffold.loss import SegmentationLoss
+
+EPS = 1e-6
 
 
 def main() -> None:
@@ -21,43 +28,56 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     z = torch.randn(1, C, e, e, e, device="cuda", generator=g).bfloat16()
     z = z.contiguous(memory_format=torch.channels_last_3d).requires_grad_()
-    y = torch.randint(0, C, (1, e, e, e), device="cuda", generator=g)
+    y = torch.randint(0, C, (1, e, e, e), device="cuda", generator=g).to(torch.uint8)  # as the trainer
     w = torch.linspace(0.5, 2.0, C, device="cuda")
-    res = {}
+    one = torch.ones((), device="cuda")
+    res: dict = {"edge": e, "sweep": []}
 
-    def fused(block_v=None):
+    def launchers(tile=None):
+        _, _, _, sums = seg_loss.forward(z, y, w, EPS, tile=tile)
+        seg_loss.backward(z, y, w, sums, EPS, one, None, None, tile=tile)
+
+    def autograd_path():
         z.grad = None
-        seg_loss.seg_loss_terms(z, y, w, 1e-6, block_v=block_v)[0].backward()
+        seg_loss.seg_loss_terms(z, y, w, EPS)[0].backward()
 
-    def fwd_only():
-        with torch.no_grad():
-            seg_loss.forward_sums(z, y, w)
-
-    for bv in (None, 64, 128, 512, 1024):
-        res[f"fused_block_v_{bv}"] = do_bench(lambda: fused(bv), warmup=25, rep=100, return_mode="median")
-    res["fused_forward_sums_only"] = do_bench(fwd_only, warmup=25, rep=100, return_mode="median")
     eager = SegmentationLoss(w, rung="vendor").cuda()
 
     def eager_step():
         z.grad = None
         eager(z, y).backward()
 
-    res["eager"] = do_bench(eager_step, warmup=25, rep=100, return_mode="median")
+    for name, fn in (("default (autograd)", autograd_path), ("default (launchers)", launchers),
+                     ("eager", eager_step)):
+        res[name] = dict(device_ms=graph_ms(fn), wall_ms=wall_ms(fn))
+        print(f"{name:>22}: device {res[name]['device_ms'] * 1e3:8.1f} us, "
+              f"as launched {res[name]['wall_ms'] * 1e3:8.1f} us", flush=True)
+    for bv, warps, per_sm in itertools.product((128, 256, 512, 1024), (4, 8), (4, 16, 32)):
+        tile = (bv, warps, per_sm)
+        try:
+            row = dict(tile=tile, device_ms=graph_ms(lambda: launchers(tile)))
+        except Exception as exc:
+            row = dict(tile=tile, error=str(exc)[:200])
+        res["sweep"].append(row)
+        print(row, flush=True)
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
-        fused()
+        autograd_path()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            fused()
+            autograd_path()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
-    print(table)
-    res["profile_table"] = table
-    for k, v in res.items():
-        if k != "profile_table":
-            print(f"{k:>28}: {v * 1e3:9.1f} us")
+    per: dict = {}
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            per[evt.name] = per.get(evt.name, 0.0) + evt.time_range.elapsed_us() / 5
+    res["kernels_us"] = per
+    print("kernels (us per call): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in per.items()))
+    best = min((r for r in res["sweep"] if "device_ms" in r), key=lambda r: r["device_ms"])
+    print(f"best tile {best['tile']}: {best['device_ms'] * 1e3:.1f} us device")
     write_json(args.out, res)
 
 

@@ -2,7 +2,8 @@
 # GPU validation in one go: the gpu-marked tests, the benchmarks and a scale-7 training run, each stage
 # under its own time limit, in priority order. Logs and JSON go to $RESULTS (default bench_results/gpu),
 # packed into $ARCHIVE_DIR/results.tgz when ARCHIVE_DIR is set (to carry them off a remote machine).
-#   scripts/gpu_validate.sh [stage ...]     stages: tests norm train minibatch loss lossprof probe conv
+#   scripts/gpu_validate.sh [stage ...]     stages: tests norm normsweep train minibatch
+#   breakdown loss lossprof probe conv
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -24,6 +25,11 @@ run() {  # run NAME LIMIT_S CMD...: a stage with a limit, its log, one summary l
 for s in $stages; do
   case $s in
     tests) run tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} tests ;;
+    normsweep) run normsweep "${LIMIT_NORMSWEEP:-330}" python3 scripts/gpu_check_norm.py --stages profile sweep \
+                 --budget-s 300 --out-dir "$RESULTS/normsweep" ;;
+    breakdown) run breakdown "${LIMIT_BREAKDOWN:-200}" python3 -m scaffold.bench.minibatch --scale 7 \
+                 --variants "${VARIANTS:-ladder,vendor}" --steps "${MB_STEPS:-5}" --reps "${MB_REPS:-3}" \
+                 --breakdown --out "$RESULTS/breakdown.json" ;;
     norm) run norm "${LIMIT_NORM:-200}" python3 scripts/gpu_check_norm.py --stages check xproc bench \
             --scales 7 8 --budget-s "${NORM_BUDGET:-150}" --out-dir "$RESULTS/norm" ;;
     train) run train "${LIMIT_TRAIN:-200}" python3 -m scaffold.train scale=7 epochs=2 progress=false \

@@ -53,6 +53,7 @@ CASES = [  # N, C, G, spatial, layout, relu, affine, tile override (elements, wa
     (1, 24, 2, (7, 1, 11), "ncdhw", True, True, None),      # 12 channels per group, contiguous input
     (2, 16, 8, (3, 5, 7), "ncdhw", False, False, (128, 1, 2)),  # affine=False
     (3, 12, 4, (2, 2, 13), "cl", True, True, (16, 1, 64)),  # one tile per split, many splits
+    (2, 16, 4, (3, 5, 7), "cl", True, True, (64, 1, 4, 16, 1)),  # elementwise tiles ≠ split tiles
 ]
 
 

@@ -4,7 +4,9 @@ Ours: `SegmentationLoss` (fp32 log-softmax once, reduction "none" + ordinary sum
 Naive: `F.cross_entropy(logits.float(), labels, weight=w)` (default "mean" reduction, atomics on CUDA)
 plus the same Dice on a separately computed softmax. Inputs are what the trainer feeds the loss: bf16
 logits as produced under autocast, batch 1, 6 classes, random labels, weights from the label counts.
-Also counts distinct loss values over repeated identical calls (1 = bitwise repeatable).
+Also counts distinct loss values over repeated identical calls (1 = bitwise repeatable). On CUDA the
+first columns are as launched from Python (`do_bench`, host cost included); "device" is the same
+forward + backward replayed from a CUDA graph (scaffold/bench/timing.py): the device time alone.
 
     python -m scaffold.bench.loss                     # CUDA: 128³ and 256³; CPU: 16³
     python -m scaffold.bench.loss --size 32 --out bench_results/loss.json
@@ -27,7 +29,7 @@ CLASSES = 6
 
 def naive_loss(head: SegmentationLoss, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     x = logits.float()
-    ce = F.cross_entropy(x, labels, weight=head.weight)
+    ce = F.cross_entropy(x, labels.long(), weight=head.weight)
     classes = torch.arange(1, CLASSES, device=labels.device).view(1, -1, 1, 1, 1)
     target = labels.unsqueeze(1) == classes
     return ce + (1 - head._dice(x.softmax(1)[:, 1:], target).mean())
@@ -60,7 +62,8 @@ def bench_size(edge: int, device: torch.device, reps: int, repeats: int, compile
     if device.type == "cuda":
         logits = logits.contiguous(memory_format=torch.channels_last_3d)
     logits.requires_grad_()
-    labels = torch.randint(0, CLASSES, (1, edge, edge, edge), device=device, generator=g)
+    # uint8, as the trainer passes the stored masks (the naive form makes its int64 copy itself).
+    labels = torch.randint(0, CLASSES, (1, edge, edge, edge), device=device, generator=g).to(torch.uint8)
     counts = np.bincount(labels.flatten().cpu().numpy(), minlength=CLASSES)
     head = SegmentationLoss.from_counts(counts).to(device)  # rung auto: the fused kernel on CUDA
     eager = SegmentationLoss(head.weight, rung="vendor").to(device)
@@ -71,12 +74,16 @@ def bench_size(edge: int, device: torch.device, reps: int, repeats: int, compile
     row: dict = {"edge": edge, "voxels": edge**3}
     for name, loss_fn in forms.items():
         def step(loss_fn=loss_fn):
-            logits.grad = None
-            loss_fn().backward()
+            torch.autograd.grad(loss_fn(), logits)
 
         medians = [timer(step, reps) for _ in range(repeats)]
         row[name] = {"median_ms": statistics.median(medians), "min_ms": min(medians),
                      "max_ms": max(medians), "distinct_values_per_100": _distinct(loss_fn, 100)}
+        if device.type == "cuda":
+            from scaffold.bench.timing import graph_ms
+
+            # Device time alone (CUDA-graph replays): what the step pays when its host runs ahead.
+            row[name]["device_ms"] = statistics.median(graph_ms(step) for _ in range(repeats))
     row["speedup"] = row["naive"]["median_ms"] / row["ours"]["median_ms"]
     return row
 
@@ -103,13 +110,16 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [bench_size(s, device, args.reps, args.repeats, args.compile) for s in sizes]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"loss head forward+backward, bf16 logits, batch 1, {CLASSES} classes, on {name}")
+    dev = device.type == "cuda"
     print(f"{'edge':>5} {'ours ms':>9} {'eager ms':>9} {'naive ms':>9} {'speedup':>8} "
-          f"{'distinct ours/eager/naive':>26}")
+          f"{'distinct ours/eager/naive':>26}" + (f" {'device ms ours/eager/naive':>28}" if dev else ""))
     for r in rows:
         print(f"{r['edge']:>5} {r['ours']['median_ms']:>9.4f} {r['ours_eager']['median_ms']:>9.4f} "
               f"{r['naive']['median_ms']:>9.4f} {r['speedup']:>7.2f}x "
               f"{r['ours']['distinct_values_per_100']:>14}/{r['ours_eager']['distinct_values_per_100']}/"
-              f"{r['naive']['distinct_values_per_100']}")
+              f"{r['naive']['distinct_values_per_100']}" +
+              (f"       {r['ours']['device_ms']:.4f}/{r['ours_eager']['device_ms']:.4f}/"
+               f"{r['naive']['device_ms']:.4f}" if dev else ""))
     payload = {"benchmark": "loss", "device": name, "torch": torch.__version__,
                "compile": args.compile, "results": rows}
     write_json(args.out, payload)

@@ -38,8 +38,57 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
     return model, net
 
 
+# Kernel name fragments -> the part of the step they belong to (first match wins).
+CATEGORIES = (
+    ("group_norm", ("_gn_", "group_norm", "GroupNorm", "RowwiseMoments", "GammaBeta", "ComputeFusedParams",
+                    "ComputeInternalGradients", "ComputeBackwardFusedParams")),
+    ("concat", ("_concat_kernel", "_split_kernel", "CatArrayBatched")),
+    ("loss", ("_loss_", "softmax", "nll")),
+    ("conv", ("conv", "Conv", "cudnn", "xmma", "cutlass", "sm90_", "implicit", "wgrad", "dgrad",
+              "_bias_grad_kernel")),
+    ("optimizer", ("multi_tensor", "foreach", "adam", "Adam", "norm_kernel")),
+)
+
+
+def category(kernel: str) -> str:
+    for name, parts in CATEGORIES:
+        if any(p in kernel for p in parts):
+            return name
+    return "other"
+
+
+def step_breakdown(step, steps: int) -> dict:
+    """Device time per step by part (kernel durations from the profiler, summed by name), the step's
+    wall time under the profiler, and the host time to enqueue one step from an idle device."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(0)
+    host_ms = (time.perf_counter() - t0) * 1e3  # launches only: nothing in the step waits on the device
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    parts: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != DeviceType.CUDA:
+            continue
+        us = evt.time_range.elapsed_us()
+        parts[category(evt.name)] = parts.get(category(evt.name), 0.0) + us / 1e3 / steps
+        kernels[evt.name] = kernels.get(evt.name, 0.0) + us / 1e3 / steps
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
+    return {"device_ms_by_part": parts, "device_ms_total": sum(parts.values()),
+            "profiled_step_wall_ms": wall_ms, "host_enqueue_ms": host_ms, "top_kernels_ms": top}
+
+
 def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, warmup: int,
-                 device: torch.device) -> dict:
+                 device: torch.device, profile: bool = False) -> dict:
     from scaffold.data.loader import make_input
     from scaffold.loss import SegmentationLoss
 
@@ -85,6 +134,7 @@ def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, wa
             for i in range(steps):
                 step(i)
             per_step.append((time.perf_counter() - t) * 1e3 / steps)
+    breakdown = step_breakdown(step, steps) if (cuda and profile) else None
     census = None
     if variant != "compiled":
         from scaffold.model.ladder import census as ladder_census
@@ -93,7 +143,7 @@ def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, wa
         census = {op: c[op] for op in ("conv", "conv_transpose", "group_norm", "concat")}
     return {"variant": variant, "step_ms_median": statistics.median(per_step), "step_ms_reps": per_step,
             "warmup_s": warm_s, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "census": census}
+            "census": census, "breakdown": breakdown}
 
 
 def main(argv=None) -> int:
@@ -104,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also profile the steps: device time by part (GroupNorm, conv, loss, ...)")
     ap.add_argument("--out", default="bench_results/minibatch.json")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -113,7 +165,8 @@ def main(argv=None) -> int:
     results = []
     for v in args.variants.split(","):
         try:
-            results.append(time_variant(v, scale, args.width, args.steps, args.reps, args.warmup, device))
+            results.append(time_variant(v, scale, args.width, args.steps, args.reps, args.warmup, device,
+                                        profile=args.breakdown))
         except Exception as e:  # keep the other variants' numbers
             results.append({"variant": v, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
         if cuda:
@@ -132,6 +185,13 @@ def main(argv=None) -> int:
         rungs = "" if r["census"] is None else "; ".join(
             f"{op} " + ",".join(f"{k}:{n}" for k, n in sorted(c.items())) for op, c in r["census"].items())
         print(f"{r['variant']:<10} {r['step_ms_median']:>9.2f} {ratio:>10} {mem:>9}  {rungs}")
+    for r in results:
+        b = r.get("breakdown")
+        if b:
+            parts = "  ".join(f"{k} {v:.2f}" for k, v in sorted(b["device_ms_by_part"].items(),
+                                                                key=lambda kv: -kv[1]))
+            print(f"{r['variant']:<10} device ms per step by part: {parts}  (sum {b['device_ms_total']:.2f}; "
+                  f"profiled step {b['profiled_step_wall_ms']:.2f}; host enqueue {b['host_enqueue_ms']:.2f})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

@@ -53,7 +53,7 @@ def _tile_ptrs(base, s0, end, C, s_s, s_c, BLOCK_S: tl.constexpr, BLOCK_C: tl.co
 
 
 @triton.jit
-def _fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn, x_ss, x_sc,
+def _gn_fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn, x_ss, x_sc,
                          BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     n = tl.program_id(0)
     split = tl.program_id(1)
@@ -81,7 +81,7 @@ def _fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn, x
 
 
 @triton.jit
-def _fwd_combine_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, S, C, G, CG, chunk, splits, eps,
+def _gn_fwd_combine_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, S, C, G, CG, chunk, splits, eps,
                         BLOCK_P: tl.constexpr, BLOCK_CG: tl.constexpr):
     n = tl.program_id(0)
     g = tl.program_id(1)
@@ -131,7 +131,7 @@ def _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG,
 
 
 @triton.jit
-def _fwd_normalize_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, S, C, G, CG,
+def _gn_fwd_normalize_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, S, C, G, CG,
                           x_sn, x_ss, x_sc, y_sn, y_ss, y_sc,
                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -162,7 +162,7 @@ def _masked_grad(x, dy, mean, rstd, w, b, RELU: tl.constexpr):
 
 
 @triton.jit
-def _bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_ptr, pgx_ptr,
+def _gn_bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_ptr, pgx_ptr,
                          S, C, G, CG, chunk, splits, x_sn, x_ss, x_sc, d_sn, d_ss, d_sc,
                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -193,7 +193,7 @@ def _bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_ptr
 
 
 @triton.jit
-def _bwd_combine_kernel(pg_ptr, pgx_ptr, w_ptr, sg_ptr, sgx_ptr, c1_ptr, c2_ptr, S, C, G, CG, splits,
+def _gn_bwd_combine_kernel(pg_ptr, pgx_ptr, w_ptr, sg_ptr, sgx_ptr, c1_ptr, c2_ptr, S, C, G, CG, splits,
                         HAS_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_CG: tl.constexpr):
     n = tl.program_id(0)
     g = tl.program_id(1)
@@ -222,7 +222,7 @@ def _bwd_combine_kernel(pg_ptr, pgx_ptr, w_ptr, sg_ptr, sgx_ptr, c1_ptr, c2_ptr,
 
 
 @triton.jit
-def _sum_over_batch_kernel(sg_ptr, sgx_ptr, db_ptr, dw_ptr, N, C, BLOCK: tl.constexpr):
+def _gn_sum_over_batch_kernel(sg_ptr, sgx_ptr, db_ptr, dw_ptr, N, C, BLOCK: tl.constexpr):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < C
     db = tl.zeros([BLOCK], tl.float32)
@@ -235,7 +235,7 @@ def _sum_over_batch_kernel(sg_ptr, sgx_ptr, db_ptr, dw_ptr, N, C, BLOCK: tl.cons
 
 
 @triton.jit
-def _bwd_dx_kernel(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, c1_ptr, c2_ptr,
+def _gn_bwd_dx_kernel(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, c1_ptr, c2_ptr,
                    S, C, G, CG, x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, o_sn, o_ss, o_sc,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -260,9 +260,11 @@ def _bwd_dx_kernel(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, c1_p
 
 # --- tiles and splits: a frozen table, then a heuristic --------------------------------------------
 
-# (arch, dtype, width class) -> (elements per [BLOCK_S, BLOCK_C] tile, num_warps, programs per SM of the
-# split passes). Width class: 'narrow' (C <= 128) or 'wide'. Filled from scripts/gpu_check_norm.py runs.
-TILE_TABLE: dict[tuple[str, str, str], tuple[int, int, int]] = {
+# (arch, dtype, width class) -> (elements per [BLOCK_S, BLOCK_C] tile, num_warps, programs per SM) of the
+# split (statistics) passes, then (elements per tile, num_warps) of the elementwise (normalize, dx)
+# passes. Width class: 'narrow' (C <= 128) or 'wide'. Filled from `scripts/gpu_check_norm.py --stages
+# sweep` runs (CUDA-graph timing of every site shape); other keys use the heuristic.
+TILE_TABLE: dict[tuple[str, str, str], tuple[int, int, int, int, int]] = {
 }
 
 
@@ -270,31 +272,37 @@ def _dtype_key(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
-def _heuristic_tile(arch: str) -> tuple[int, int, int]:
+def _heuristic_tile(arch: str) -> tuple[int, int, int, int, int]:
     if arch == "cpu":
-        return 64, 1, 4  # the interpreter pays per program and per element; tiny tiles, several splits
+        return 64, 1, 4, 64, 1  # the interpreter pays per program and per element: tiny tiles
     # 16 elements per thread: 16-byte vector loads, and (sm90 compile) 62 registers in the statistics
-    # pass, ~100 in the backward's, so 2-4 programs of 8 warps stay resident per SM. Not yet timed.
-    return 4096, 8, 4
+    # pass, ~100 in the backward's, so 2-4 programs of 8 warps stay resident per SM.
+    return 4096, 8, 4, 4096, 8
 
 
 class Plan:
-    """Launch geometry of one call: a pure function of (shape, groups, device, dtype)."""
+    """Launch geometry of one call: a pure function of (shape, groups, device, dtype).
+
+    `tile` overrides the table: (elements, warps, programs per SM) for every pass, or five values
+    (split passes' elements, warps, programs per SM, then the elementwise passes' elements, warps)."""
 
     def __init__(self, N: int, C: int, S: int, G: int, device: torch.device, dtype: torch.dtype,
-                 tile: Optional[tuple[int, int, int]] = None):
+                 tile: Optional[tuple[int, ...]] = None):
         arch = arch_key(device)
         width = "narrow" if C <= 128 else "wide"
-        elems, self.num_warps, per_sm = tile or TILE_TABLE.get(
-            (arch, _dtype_key(dtype), width), _heuristic_tile(arch))
+        tile = tuple(tile or TILE_TABLE.get((arch, _dtype_key(dtype), width), _heuristic_tile(arch)))
+        if len(tile) == 3:
+            tile = tile + tile[:2]
+        elems, self.num_warps, per_sm, ew_elems, self.ew_warps = tile
         self.block_c = triton.next_power_of_2(C)
         self.block_s = max(1, elems // self.block_c)
-        tiles = triton.cdiv(S, self.block_s)
+        steps = triton.cdiv(S, self.block_s)
         want = triton.cdiv(per_sm * sm_count(device), N)  # splits per sample
-        splits = max(1, min(want, tiles))
-        self.chunk = triton.cdiv(tiles, splits) * self.block_s
+        splits = max(1, min(want, steps))
+        self.chunk = triton.cdiv(steps, splits) * self.block_s
         self.splits = triton.cdiv(S, self.chunk)
-        self.tiles = tiles
+        self.ew_block_s = max(1, ew_elems // self.block_c)
+        self.tiles = triton.cdiv(S, self.ew_block_s)  # elementwise programs per sample
         self.block_cg = triton.next_power_of_2(C // G)
         self.block_p = max(1, min(triton.next_power_of_2(self.splits), 4096 // self.block_cg))
 
@@ -333,17 +341,17 @@ def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
     pm2 = torch.empty((N, plan.splits, C), **f32)
     mean = torch.empty((N, G), **f32)
     rstd = torch.empty((N, G), **f32)
-    _fwd_partials_kernel[(N, plan.splits)](
+    _gn_fwd_partials_kernel[(N, plan.splits)](
         x, pmean, pm2, S, C, plan.chunk, plan.splits, x_sn, x_ss, x_sc,
         BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
-    _fwd_combine_kernel[(N, G)](
+    _gn_fwd_combine_kernel[(N, G)](
         pmean, pm2, mean, rstd, S, C, G, C // G, plan.chunk, plan.splits, float(eps),
         BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
-    _fwd_normalize_kernel[(plan.tiles, N)](
+    _gn_fwd_normalize_kernel[(plan.tiles, N)](
         x, y, mean, rstd, weight if weight is not None else mean, bias if bias is not None else mean,
         S, C, G, C // G, x_sn, x_ss, x_sc, y_sn, y_ss, y_sc,
         HAS_W=weight is not None, HAS_B=bias is not None, RELU=bool(relu),
-        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+        BLOCK_S=plan.ew_block_s, BLOCK_C=plan.block_c, num_warps=plan.ew_warps)
     return y, mean, rstd
 
 
@@ -372,19 +380,19 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
     w = weight if weight is not None else mean
     b = bias if bias is not None else mean
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, RELU=bool(relu))
-    _bwd_partials_kernel[(N, plan.splits)](
+    _gn_bwd_partials_kernel[(N, plan.splits)](
         x, dy, mean, rstd, w, b, pg, pgx, S, C, G, C // G, plan.chunk, plan.splits,
         x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, **flags,
         BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
-    _bwd_combine_kernel[(N, G)](
+    _gn_bwd_combine_kernel[(N, G)](
         pg, pgx, w, sg, sgx, c1, c2, S, C, G, C // G, plan.splits, HAS_W=weight is not None,
         BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
     block = min(1024, triton.next_power_of_2(C))
-    _sum_over_batch_kernel[(triton.cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
-    _bwd_dx_kernel[(plan.tiles, N)](
+    _gn_sum_over_batch_kernel[(triton.cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
+    _gn_bwd_dx_kernel[(plan.tiles, N)](
         x, dy, dx, mean, rstd, w, b, c1, c2, S, C, G, C // G,
         x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, o_sn, o_ss, o_sc, **flags,
-        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+        BLOCK_S=plan.ew_block_s, BLOCK_C=plan.block_c, num_warps=plan.ew_warps)
     return dx, dw, db
 
 

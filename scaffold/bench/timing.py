@@ -1,0 +1,67 @@
+"""GPU timing shared by the benchmarks: what a call costs the device, apart from what it costs the host.
+
+Two numbers answer different questions. `wall_ms` times a call as launched from Python (CUDA events
+around it): when the device finishes faster than the host can launch, that is host time. `graph_ms`
+captures the call in a CUDA graph once and times replays: the device time alone, which is what a training
+step pays when its host runs ahead of the device (the trainer never waits on the device, so it does
+whenever its host work per step is below the device's). Both flush the L2 cache before each repetition,
+so a kernel never reads its inputs from a warm cache that the real step would not leave it.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+_FLUSH: dict[str, torch.Tensor] = {}
+
+
+def flush_l2() -> None:
+    """Overwrite 256 MiB (more than any GPU's L2) on the current stream."""
+    _FLUSH.setdefault("buf", torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")).zero_()
+
+
+def _events():
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def _timed(launch: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        flush_l2()
+        a, b = _events()
+        a.record()
+        launch()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def wall_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median ms of fn() launched from Python (host launch cost included where it dominates)."""
+    fn()
+    torch.cuda.synchronize()
+    return _timed(fn, reps)
+
+
+def graph_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> float:
+    """Median ms of fn() replayed from a CUDA graph (device time only). fn may run autograd, as long as
+    its forward runs inside fn too (backward kernels go to the stream their forward ran on)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream: compiles, autotunes, allocates
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    try:
+        return _timed(graph.replay, reps)
+    finally:
+        del graph
