@@ -52,10 +52,11 @@ def main() -> None:
         res[name] = dict(device_ms=graph_ms(fn), wall_ms=wall_ms(fn))
         print(f"{name:>22}: device {res[name]['device_ms'] * 1e3:8.1f} us, "
               f"as launched {res[name]['wall_ms'] * 1e3:8.1f} us", flush=True)
-    for bv, warps, per_sm in itertools.product((128, 256, 512, 1024), (4, 8), (4, 16, 32)):
+    for bv, warps, per_sm in itertools.product((32, 64, 128, 256), (2, 4, 8), (4, 16)):
         tile = (bv, warps, per_sm)
         try:
-            row = dict(tile=tile, device_ms=graph_ms(lambda: launchers(tile)))
+            row = dict(tile=tile, device_ms=graph_ms(lambda: launchers(tile)),
+                       forward_ms=graph_ms(lambda: seg_loss.forward(z, y, w, EPS, tile=tile)))
         except Exception as exc:
             row = dict(tile=tile, error=str(exc)[:200])
         res["sweep"].append(row)

@@ -77,8 +77,9 @@ def step_breakdown(step, steps: int) -> dict:
     parts: dict[str, float] = {}
     kernels: dict[str, float] = {}
     for evt in prof.events():
-        if evt.device_type != DeviceType.CUDA:
-            continue
+        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False) \
+                or evt.name.startswith(("Optimizer.", "## ", "ProfilerStep")):
+            continue  # record_function ranges mirrored on the GPU timeline: not kernels
         us = evt.time_range.elapsed_us()
         parts[category(evt.name)] = parts.get(category(evt.name), 0.0) + us / 1e3 / steps
         kernels[evt.name] = kernels.get(evt.name, 0.0) + us / 1e3 / steps

@@ -197,6 +197,9 @@ def _loss_bwd_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_p
 # (arch) -> (voxels per tile, warps, forward split programs per multiprocessor). Filled from
 # scripts/gpu_profile_loss.py sweeps; other devices use the heuristic below.
 TILE_TABLE: dict[str, tuple[int, int, int]] = {
+    # H200, 2026-12-02, 128³ × 6 classes bf16: short tiles and 8 warps (4 values per thread) run best;
+    # device time of forward + backward 176 µs against 336 µs at (256, 4, 16) and 643 µs at (1024, 4, 4).
+    "sm90": (128, 8, 4),
 }
 
 
