@@ -101,6 +101,9 @@ def norm_methods(compile_too: bool) -> dict:
         "triton_bf16": lambda x, w, b: group_norm(x, GROUPS, w, b, EPS, True, out_dtype=torch.bfloat16),
     }
     if compile_too:
+        # The timing replays one backward graph many times (retain_graph): no donated buffers.
+        if hasattr(torch._functorch.config, "donated_buffer"):
+            torch._functorch.config.donated_buffer = False
         for key in ("cache_size_limit", "recompile_limit"):
             if hasattr(torch._dynamo.config, key):
                 setattr(torch._dynamo.config, key, 256)
@@ -118,6 +121,14 @@ def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
     elems = x.numel()
     row = dict(site)
     for name, fn in methods.items():
+        r: dict = {}
+        if torch.cuda.is_available():
+            try:  # device time first, on leaves of its own (see _graph_fwd_bwd)
+                r.update(_graph_fwd_bwd(lambda xs, ws, bs, fn=fn: fn(xs, ws, bs), (x, w, b)))
+            except Exception as exc:
+                r["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         try:
             with torch.autocast(_device(), dtype=torch.bfloat16):
                 y = fn(x, w, b)
@@ -131,20 +142,10 @@ def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
             def bwd():
                 torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
 
-            def fwd_bwd():  # for the graph: the backward must follow a forward captured with it
-                torch.autograd.grad(fwd(), (x, w, b), dy)
-
             out_bytes = y.element_size()
             # Fewest bytes: forward reads x, writes y; backward reads x and dy, writes dx.
             floor_bytes = elems * (2 + out_bytes) + elems * (2 + out_bytes + 2)
-            r = dict(floor_ms=floor_bytes / PEAK_BYTES_PER_S * 1e3)
-            if torch.cuda.is_available():
-                from scaffold.bench.timing import graph_ms
-
-                # Device time (CUDA graph replays): what a step whose host runs ahead pays.
-                gf = graph_ms(fwd)
-                gfb = graph_ms(fwd_bwd)
-                r.update(fwd_ms=gf, bwd_ms=max(gfb - gf, 0.0), total_ms=gfb)
+            r["floor_ms"] = floor_bytes / PEAK_BYTES_PER_S * 1e3
             wf, wb = median_ms(fwd), median_ms(bwd)  # as launched from Python, host cost included
             r.update(wall_fwd_ms=wf, wall_bwd_ms=wb, wall_total_ms=wf + wb)
             if "total_ms" not in r:
@@ -155,6 +156,32 @@ def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
         except Exception as exc:  # one failing method must not lose the others
             row[name] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     return row
+
+
+def _graph_fwd_bwd(fn, inputs: tuple) -> dict:
+    """Device time of fn's forward and of forward + backward, from CUDA-graph replays. The inputs are
+    re-made as fresh leaves here: autograd nodes created on another stream, kept alive by an earlier
+    output, would make the captured backward synchronise with the default stream (a capture error)."""
+    from scaffold.bench.timing import graph_ms
+
+    leaves = tuple(t.detach().clone().requires_grad_() for t in inputs)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        shape_dtype = fn(*leaves)
+    dy = torch.randn(shape_dtype.shape, device="cuda", dtype=shape_dtype.dtype)
+    dy = dy.contiguous(memory_format=CL)
+    del shape_dtype
+    leaves = tuple(t.detach().requires_grad_() for t in leaves)  # drop that forward's graph
+
+    def fwd():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn(*leaves)
+
+    def fwd_bwd():  # the backward must follow a forward captured with it
+        torch.autograd.grad(fwd(), leaves, dy)
+
+    gf = graph_ms(fwd)
+    gfb = graph_ms(fwd_bwd)
+    return dict(fwd_ms=gf, bwd_ms=max(gfb - gf, 0.0), total_ms=gfb)
 
 
 def bench_concat_site(site: dict, seed: int = 0) -> dict:
@@ -188,12 +215,11 @@ def bench_concat_site(site: dict, seed: int = 0) -> dict:
             wb = median_ms(lambda: torch.autograd.grad(out, (a, b), dy, retain_graph=True))
             r.update(wall_fwd_ms=wf, wall_bwd_ms=wb, wall_total_ms=wf + wb)
             if torch.cuda.is_available():
-                from scaffold.bench.timing import graph_ms
-
-                gf = graph_ms(lambda: fn(a, b))
-                gfb = graph_ms(lambda: torch.autograd.grad(fn(a, b), (a, b), dy))
-                r.update(fwd_ms=gf, bwd_ms=max(gfb - gf, 0.0), total_ms=gfb)
-            else:
+                try:
+                    r.update(_graph_fwd_bwd(lambda p, q, fn=fn: fn(p, q), (a, b)))
+                except Exception as exc:
+                    r["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            if "total_ms" not in r:
                 r.update(fwd_ms=wf, bwd_ms=wb, total_ms=wf + wb)
             r["tb_per_s"] = floor_bytes / (r["total_ms"] * 1e-3) / 1e12
             row[name] = r

@@ -56,9 +56,17 @@ def graph_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> float
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    for attempt in range(2):  # a first capture in a process can trip on lazy initialisation: retry once
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=side):  # the stream the warm-up ran on
+                fn()
+            break
+        except RuntimeError:
+            del graph
+            torch.cuda.synchronize()
+            if attempt:
+                raise
     graph.replay()
     torch.cuda.synchronize()
     try:
