@@ -102,8 +102,10 @@ def norm_methods(compile_too: bool) -> dict:
     }
     if compile_too:
         # The timing replays one backward graph many times (retain_graph): no donated buffers.
-        if hasattr(torch._functorch.config, "donated_buffer"):
-            torch._functorch.config.donated_buffer = False
+        import torch._functorch.config as functorch_config
+
+        if hasattr(functorch_config, "donated_buffer"):
+            functorch_config.donated_buffer = False
         for key in ("cache_size_limit", "recompile_limit"):
             if hasattr(torch._dynamo.config, key):
                 setattr(torch._dynamo.config, key, 256)
