@@ -52,8 +52,11 @@ def main() -> None:
         res[name] = dict(device_ms=graph_ms(fn), wall_ms=wall_ms(fn))
         print(f"{name:>22}: device {res[name]['device_ms'] * 1e3:8.1f} us, "
               f"as launched {res[name]['wall_ms'] * 1e3:8.1f} us", flush=True)
-    for bv, warps, per_sm in itertools.product((32, 64, 128, 256), (2, 4, 8), (4, 16)):
-        tile = (bv, warps, per_sm)
+    configs = [(bv, warps, per_sm, "tile") for bv, warps, per_sm in
+               itertools.product((32, 64, 128), (2, 4, 8), (4, 16))]
+    configs += [(bv, warps, per_sm, "rows") for bv, warps, per_sm in
+                itertools.product((128, 256, 512, 1024), (4, 8), (4, 16))]
+    for tile in configs:
         try:
             row = dict(tile=tile, device_ms=graph_ms(lambda: launchers(tile)),
                        forward_ms=graph_ms(lambda: seg_loss.forward(z, y, w, EPS, tile=tile)))
@@ -77,8 +80,12 @@ def main() -> None:
             per[evt.name] = per.get(evt.name, 0.0) + evt.time_range.elapsed_us() / 5
     res["kernels_us"] = per
     print("kernels (us per call): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in per.items()))
-    best = min((r for r in res["sweep"] if "device_ms" in r), key=lambda r: r["device_ms"])
-    print(f"best tile {best['tile']}: {best['device_ms'] * 1e3:.1f} us device")
+    for form in ("tile", "rows"):
+        rows = [r for r in res["sweep"] if "device_ms" in r and r["tile"][3] == form]
+        if rows:
+            best = min(rows, key=lambda r: r["device_ms"])
+            print(f"best {form} {best['tile']}: {best['device_ms'] * 1e3:.1f} us device "
+                  f"(forward {best['forward_ms'] * 1e3:.1f})")
     write_json(args.out, res)
 
 

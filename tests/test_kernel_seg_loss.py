@@ -30,10 +30,10 @@ def make(N=2, C=6, spatial=(5, 3, 7), dtype=torch.float32, layout="cl", label_dt
     return z, y.to(label_dtype), w
 
 
-def run(z, y, w, grads=None, block_v=None):
+def run(z, y, w, grads=None, block_v=None, tile=None):
     """(loss, ce, dice, dlogits) from the kernels; grads = (g_loss, g_ce, g_dice) seeds the backward."""
     x = z.clone().requires_grad_()
-    loss, ce, dice = sl.seg_loss_terms(x, y, w, EPS, block_v=block_v)
+    loss, ce, dice = sl.seg_loss_terms(x, y, w, EPS, block_v=block_v, tile=tile)
     # Seeds made on the logits' device: a host-to-device copy would be a sync.
     g_loss, g_ce, g_dice = grads or (z.new_ones((), dtype=torch.float32),
                                      z.new_zeros((), dtype=torch.float32),
@@ -53,10 +53,11 @@ CASES = [  # C, dtype, layout, label dtype, absent classes, voxel tile override
 ]
 
 
+@pytest.mark.parametrize("form", sl.FORMS)
 @pytest.mark.parametrize("C,dtype,layout,label_dtype,absent,block_v", CASES)
-def test_matches_float64_head(C, dtype, layout, label_dtype, absent, block_v):
+def test_matches_float64_head(C, dtype, layout, label_dtype, absent, block_v, form):
     z, y, w = make(C=C, dtype=dtype, layout=layout, label_dtype=label_dtype, absent=absent)
-    loss, ce, dice, dz = run(z, y, w, block_v=block_v)
+    loss, ce, dice, dz = run(z, y, w, tile=(block_v or 16, 1, 4, form))
     e_loss, e_ce, e_dice, e_dz = ref.seg_loss_terms(z, y, w, EPS, grads=(1.0, 0.0, torch.zeros(2)))
     # The forward reads the stored values exactly (a bf16 upcast is exact), so it is fp32-accurate for
     # every dtype; the gradient is rounded to the logits' dtype.
@@ -100,10 +101,11 @@ def test_unused_outputs_pass_no_gradient():
     assert rel_err(dz, e_dz) < 1e-5
 
 
-def test_many_splits_fixed_tree():
+@pytest.mark.parametrize("form", sl.FORMS)
+def test_many_splits_fixed_tree(form):
     # More split slots than the finalize program's block: its loop over slot blocks runs several times.
     z, y, w = make(N=2, C=6, spatial=(5, 6, 7), absent=(2,), seed=8)
-    tile = (4, 1, 64)
+    tile = (4, 1, 64, form)
     plan = sl.Plan(2, 5 * 6 * 7, 6, z.device, tile=tile)
     assert plan.splits > plan.block_p
     loss, ce, dice, sums = sl.forward(z, y, w, EPS, tile=tile)
@@ -111,6 +113,19 @@ def test_many_splits_fixed_tree():
     e_loss, e_ce, e_dice, e_dz = ref.seg_loss_terms(z, y, w, EPS, grads=(1.0, 0.0, torch.zeros(2)))
     for out, e in ((loss, e_loss), (ce, e_ce), (dice, e_dice), (dz, e_dz)):
         assert rel_err(out, e) < 1e-5
+
+
+def test_forms_agree_and_ignore_out_of_range_labels():
+    # The two forms compute the same sums in a different order; a label outside [0, C) adds nothing
+    # to either (the datasets are checked once, so this only guards memory safety).
+    z, y, w = make(C=6, dtype=torch.bfloat16, seed=9)
+    y_bad = y.clone()
+    y_bad.view(-1)[::7] = 200
+    out = {form: run(z, y_bad, w, tile=(8, 1, 4, form)) for form in sl.FORMS}
+    for a, b in zip(out["tile"], out["rows"]):
+        assert rel_err(a.float(), ref.f64(b)) < 1e-5
+    with pytest.raises(ValueError, match="tile form"):
+        sl.Plan(1, 8, 6, z.device, tile=(8, 1, 4, "columns"))
 
 
 def test_reference_is_the_eager_head():
@@ -124,22 +139,25 @@ def test_reference_is_the_eager_head():
         assert rel_err(out.detach(), e) < 1e-5
 
 
-def test_deterministic_bitwise():
+@pytest.mark.parametrize("form", sl.FORMS)
+def test_deterministic_bitwise(form):
     z, y, w = make(C=6, dtype=torch.bfloat16, seed=2)
-    first = run(z, y, w, block_v=4)
-    second = run(z, y, w, block_v=4)
+    first = run(z, y, w, tile=(4, 1, 4, form))
+    second = run(z, y, w, tile=(4, 1, 4, form))
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("form", sl.FORMS)
 @pytest.mark.parametrize("layout", ["cl", "ncdhw"])
-def test_poisoned_gradient_buffer_fully_written(layout):
+def test_poisoned_gradient_buffer_fully_written(layout, form):
     z, y, w = make(C=6, layout=layout, absent=(3,), seed=4)
-    *_, dz = run(z, y, w, block_v=4)
-    sums = sl.forward_sums(z, y, w, block_v=4)
+    tile = (4, 1, 4, form)
+    *_, dz = run(z, y, w, tile=tile)
+    sums = sl.forward(z, y, w, EPS, tile=tile)[3]
     poisoned = torch.full_like(z, float("nan"))
     out = sl.backward(z, y, w, sums, EPS, torch.tensor(1.0), torch.tensor(0.0), torch.zeros(2),
-                      out=poisoned, block_v=4)
+                      out=poisoned, tile=tile)
     assert out.data_ptr() == poisoned.data_ptr()
     assert torch.isfinite(out).all()
     assert torch.equal(out, dz)
@@ -173,7 +191,8 @@ def test_supported_and_errors():
 
 
 @pytest.mark.gpu
-def test_gpu_128_cubed_matches_eager_and_is_stable():
+@pytest.mark.parametrize("tile", [None, (128, 4, 4, "rows"), (512, 8, 16, "rows")])
+def test_gpu_128_cubed_matches_eager_and_is_stable(tile):
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
     shape = (1, 6, 128, 128, 128)
@@ -187,8 +206,8 @@ def test_gpu_128_cubed_matches_eager_and_is_stable():
     (e_dz,) = torch.autograd.grad(e_loss, x)
     torch.cuda.set_sync_debug_mode("error")  # the fused head never waits for the device
     try:
-        loss, ce, dice, dz = run(z, y, w)
-        values = torch.stack([sl.seg_loss_terms(z, y, w, EPS)[0] for _ in range(100)])
+        loss, ce, dice, dz = run(z, y, w, tile=tile)
+        values = torch.stack([sl.seg_loss_terms(z, y, w, EPS, tile=tile)[0] for _ in range(100)])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for out, e in ((loss, e_loss), (ce, e_ce), (dice, e_dice)):
@@ -196,4 +215,4 @@ def test_gpu_128_cubed_matches_eager_and_is_stable():
     assert ((dz.double() - e_dz.double()).norm() / e_dz.double().norm()).item() < 1e-2
     assert dz.is_contiguous(memory_format=CL)
     assert torch.unique(values).numel() == 1 and torch.equal(values[0], loss.detach())
-    assert torch.equal(run(z, y, w)[3], dz)
+    assert torch.equal(run(z, y, w, tile=tile)[3], dz)

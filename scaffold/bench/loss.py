@@ -55,7 +55,18 @@ def _distinct(fn, calls: int) -> int:
     return torch.stack([fn().detach() for _ in range(calls)]).unique().numel()
 
 
-def bench_size(edge: int, device: torch.device, reps: int, repeats: int, compile_head: bool) -> dict:
+def parse_tile(text: str | None):
+    """'128,8,4,rows' -> (128, 8, 4, 'rows'): a fused-kernel plan to time beside the default."""
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[:3]):
+        raise SystemExit(f"--tile {text!r}: expected VOXELS,WARPS,PER_SM[,tile|rows]")
+    return tuple(int(p) for p in parts[:3]) + tuple(parts[3:])
+
+
+def bench_size(edge: int, device: torch.device, reps: int, repeats: int, compile_head: bool,
+               tile=None) -> dict:
     g = torch.Generator(device=device).manual_seed(edge)
     # As the model's head emits them: bf16 under autocast, channels-last on CUDA.
     logits = torch.randn(1, CLASSES, edge, edge, edge, device=device, generator=g).bfloat16()
@@ -70,6 +81,11 @@ def bench_size(edge: int, device: torch.device, reps: int, repeats: int, compile
     ours_fn = torch.compile(head) if compile_head else head
     forms = {"ours": lambda: ours_fn(logits, labels), "ours_eager": lambda: eager(logits, labels),
              "naive": lambda: naive_loss(head, logits, labels)}
+    if tile is not None:
+        from scaffold.kernels import seg_loss
+
+        forms["ours_tile"] = lambda: seg_loss.seg_loss_terms(logits, labels, head.weight, head.eps,
+                                                             tile=tile)[0]
     timer = _median_ms_cuda if device.type == "cuda" else _median_ms_cpu
     row: dict = {"edge": edge, "voxels": edge**3}
     for name, loss_fn in forms.items():
@@ -100,6 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "milliseconds of timing per measurement (CUDA)")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per form; the median is kept")
     parser.add_argument("--compile", action="store_true", help="torch.compile our loss head")
+    parser.add_argument("--tile", default=None, help="also time the fused kernel at this plan: "
+                        "VOXELS,WARPS,PER_SM[,tile|rows] (the row 'ours_tile' of the JSON)")
     parser.add_argument("--out", default="bench_results/loss.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -107,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = args.size or ([128, 256] if device.type == "cuda" else [16])
     if any(s <= 0 for s in sizes) or args.reps <= 0 or args.repeats <= 0:
         parser.error("--size, --reps and --repeats must be positive")
-    rows = [bench_size(s, device, args.reps, args.repeats, args.compile) for s in sizes]
+    tile = parse_tile(args.tile)
+    rows = [bench_size(s, device, args.reps, args.repeats, args.compile, tile) for s in sizes]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"loss head forward+backward, bf16 logits, batch 1, {CLASSES} classes, on {name}")
     dev = device.type == "cuda"
@@ -120,6 +139,12 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['naive']['distinct_values_per_100']}" +
               (f"       {r['ours']['device_ms']:.4f}/{r['ours_eager']['device_ms']:.4f}/"
                f"{r['naive']['device_ms']:.4f}" if dev else ""))
+    for r in rows:
+        if "ours_tile" in r:
+            t = r["ours_tile"]
+            print(f"{r['edge']:>5} fused at --tile {args.tile}: {t['median_ms']:.4f} ms as launched" +
+                  (f", {t['device_ms']:.4f} ms device" if dev else "") +
+                  f", distinct {t['distinct_values_per_100']}")
     payload = {"benchmark": "loss", "device": name, "torch": torch.__version__,
                "compile": args.compile, "results": rows}
     write_json(args.out, payload)

@@ -192,33 +192,153 @@ def _loss_bwd_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_p
     tl.store(dz_ptr + n.to(tl.int64) * d_sn + offs, cast_rne(dz, dz_ptr.dtype.element_ty), mask=mask)
 
 
+# --- the "rows" form: one voxel per lane, the classes unrolled at compile time ------------------------
+# The "tile" kernels above hold a [voxels, next_pow2(C)] tile and reduce across the class axis (padded
+# lanes, cross-lane shuffles). These hold one voxel per lane and loop over the C classes (a compile-time
+# constant), re-reading the logits from L1: no padding, no shuffles. Same sums, same formulas; the
+# floating-point order differs, so each form is bitwise repeatable on its own.
+
+@triton.jit
+def _row_stats(zrow, rmask, z_sc, C: tl.constexpr):
+    """Per voxel: the max logit m and ls = log Σ_c exp(z_c − m), so log p_c = (z_c − m) − ls."""
+    m = to_f32(tl.load(zrow, mask=rmask, other=0.0))
+    for c in tl.static_range(1, C):
+        m = tl.maximum(m, to_f32(tl.load(zrow + c * z_sc, mask=rmask, other=0.0)))
+    se = tl.zeros_like(m)
+    for c in tl.static_range(C):
+        se += tl.exp(to_f32(tl.load(zrow + c * z_sc, mask=rmask, other=0.0)) - m)
+    return m, tl.log(se)
+
+
+@triton.jit
+def _loss_fwd_partials_rows_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, K, chunk, splits,
+                                   z_sn, z_sv, z_sc, y_sn, y_sv,
+                                   C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
+    split = tl.program_id(0)
+    n = tl.program_id(1)
+    start = split * chunk
+    end = tl.minimum(start + chunk, V)
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    z_base = z_ptr + n.to(tl.int64) * z_sn
+    y_base = y_ptr + n.to(tl.int64) * y_sn
+    nll = tl.zeros([BLOCK_V], tl.float32)
+    wsum = tl.zeros([BLOCK_V], tl.float32)
+    inter = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
+    psum = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
+    gsum = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
+    for v0 in range(start, end, BLOCK_V):
+        rows = v0 + tl.arange(0, BLOCK_V)
+        rmask = rows < end
+        zrow = z_base + rows.to(tl.int64) * z_sv
+        y = tl.load(y_base + rows.to(tl.int64) * y_sv, mask=rmask, other=0).to(tl.int32)
+        valid = rmask & (y >= 0) & (y < C)  # another label adds nothing, as in the tile form
+        m, ls = _row_stats(zrow, rmask, z_sc, C)
+        zy = to_f32(tl.load(zrow + y.to(tl.int64) * z_sc, mask=valid, other=0.0))
+        wy = tl.load(w_ptr + y, mask=valid, other=0.0)
+        logp_y = (zy - m) - ls
+        nll += tl.where(valid, -wy * logp_y, 0.0)
+        wsum += wy
+        onehot = (cols[None, :] == y[:, None]) & valid[:, None]
+        inter += tl.where(onehot, tl.exp(logp_y)[:, None], 0.0)
+        gsum += onehot.to(tl.float32)
+        mask2 = rmask[:, None] & cmask[None, :]
+        z2 = to_f32(tl.load(zrow[:, None] + cols.to(tl.int64)[None, :] * z_sc, mask=mask2, other=0.0))
+        psum += tl.where(mask2, tl.exp((z2 - m[:, None]) - ls[:, None]), 0.0)
+    out = part_ptr + (n * splits + split).to(tl.int64) * K
+    tl.store(out, tl.sum(nll, axis=0))
+    tl.store(out + 1, tl.sum(wsum, axis=0))
+    tl.store(out + 2 + cols, tl.sum(inter, axis=0), mask=cmask)
+    tl.store(out + 2 + C + cols, tl.sum(psum, axis=0), mask=cmask)
+    tl.store(out + 2 + 2 * C + cols, tl.sum(gsum, axis=0), mask=cmask)
+
+
+@triton.jit
+def _dice_coef(sums_ptr, n, K, beta, eps, c: tl.constexpr, C: tl.constexpr):
+    """(A_c, B_c) of sample n: dL/dp_c = A_c·[y = c] + B_c from the Dice term (0, 0 for the background
+    and for a class absent from the sample)."""
+    row = sums_ptr + n * K + 2
+    inter = tl.load(row + c)
+    gsum = tl.load(row + 2 * C + c)
+    denom = tl.load(row + C + c) + gsum + eps
+    present = (gsum > 0.0) & (c >= 1)
+    a = tl.where(present, beta * 2.0 / denom, 0.0)
+    b = tl.where(present, -beta * (2.0 * inter + eps) / (denom * denom), 0.0)
+    return a, b
+
+
+@triton.jit
+def _loss_bwd_rows_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_ptr, N, V, K, eps,
+                          z_sn, z_sv, z_sc, y_sn, y_sv, d_sn, d_sv, d_sc,
+                          HAS_GL: tl.constexpr, HAS_GC: tl.constexpr, HAS_GD: tl.constexpr,
+                          C: tl.constexpr, BLOCK_V: tl.constexpr):
+    v0 = tl.program_id(0) * BLOCK_V
+    n = tl.program_id(1)
+    w_total = tl.load(sums_ptr + 1)
+    for m_ in range(1, N):  # the batch's Σ w, in sample order
+        w_total += tl.load(sums_ptr + m_ * K + 1)
+    g_loss = tl.load(gl_ptr) if HAS_GL else 0.0
+    g_ce = tl.load(gc_ptr) if HAS_GC else 0.0
+    g_dice = tl.load(gd_ptr + n) if HAS_GD else 0.0
+    ce_scale = (g_loss + g_ce) / w_total
+    beta = (g_dice - g_loss / N) / (C - 1)
+    rows = v0 + tl.arange(0, BLOCK_V)
+    rmask = rows < V
+    n64 = n.to(tl.int64)
+    zrow = z_ptr + n64 * z_sn + rows.to(tl.int64) * z_sv
+    drow = dz_ptr + n64 * d_sn + rows.to(tl.int64) * d_sv
+    y = tl.load(y_ptr + n64 * y_sn + rows.to(tl.int64) * y_sv, mask=rmask, other=0).to(tl.int32)
+    valid = rmask & (y >= 0) & (y < C)
+    m, ls = _row_stats(zrow, rmask, z_sc, C)
+    wy = tl.load(w_ptr + y, mask=valid, other=0.0)
+    ap = tl.zeros([BLOCK_V], tl.float32)  # Σ_j a_j·p_j
+    for c in tl.static_range(C):
+        a_c, b_c = _dice_coef(sums_ptr, n, K, beta, eps, c, C)
+        g = (valid & (y == c)).to(tl.float32)
+        p = tl.exp((to_f32(tl.load(zrow + c * z_sc, mask=rmask, other=0.0)) - m) - ls)
+        ap += (a_c * g + b_c) * p
+    cs = ce_scale * wy
+    for c in tl.static_range(C):
+        a_c, b_c = _dice_coef(sums_ptr, n, K, beta, eps, c, C)
+        g = (valid & (y == c)).to(tl.float32)
+        p = tl.exp((to_f32(tl.load(zrow + c * z_sc, mask=rmask, other=0.0)) - m) - ls)
+        dz = cs * (p - g) + p * ((a_c * g + b_c) - ap)
+        tl.store(drow + c * d_sc, cast_rne(dz, dz_ptr.dtype.element_ty), mask=rmask)
+
+
 # --- launch geometry --------------------------------------------------------------------------------
 
-# (arch) -> (voxels per tile, warps, forward split programs per multiprocessor). Filled from
-# scripts/gpu_profile_loss.py sweeps; other devices use the heuristic below.
-TILE_TABLE: dict[str, tuple[int, int, int]] = {
+# (arch) -> (voxels per tile, warps, forward split programs per multiprocessor, form: "tile" | "rows").
+# Filled from scripts/gpu_profile_loss.py sweeps; other devices use the heuristic below.
+TILE_TABLE: dict[str, tuple] = {
     # H200, 2026-12-02, 128³ × 6 classes bf16: short tiles and 8 warps (4 values per thread) run best;
     # device time of forward + backward 176 µs against 336 µs at (256, 4, 16) and 643 µs at (1024, 4, 4).
-    "sm90": (128, 8, 4),
+    "sm90": (128, 8, 4, "tile"),
 }
+FORMS = ("tile", "rows")
 
 
-def _heuristic_tile(arch: str, block_c: int) -> tuple[int, int, int]:
+def _heuristic_tile(arch: str, block_c: int) -> tuple:
     if arch == "cpu":
-        return max(16, 256 // block_c), 4, 4  # the interpreter pays per tile, not per element
+        return max(16, 256 // block_c), 4, 4, "tile"  # the interpreter pays per tile, not per element
     # Many programs in flight: the forward is a streaming reduction, latency-bound with few.
-    return max(16, 2048 // block_c), 4, 16
+    return max(16, 2048 // block_c), 4, 16, "tile"
 
 
 class Plan:
     """Tile and split sizes of one call: a pure function of (N, V, C, device) and an optional tile
-    override (tests use tiny tiles to get many splits at tiny shapes)."""
+    override (tests use tiny tiles to get many splits at tiny shapes): (voxels, warps, programs per
+    SM[, form])."""
 
     def __init__(self, N: int, V: int, C: int, device: torch.device, block_v: Optional[int] = None,
-                 tile: Optional[tuple[int, int, int]] = None):
+                 tile: Optional[tuple] = None):
         self.block_c = triton.next_power_of_2(C)
         arch = arch_key(device)
-        bv, self.num_warps, per_sm = tile or TILE_TABLE.get(arch) or _heuristic_tile(arch, self.block_c)
+        tile = tuple(tile or TILE_TABLE.get(arch) or _heuristic_tile(arch, self.block_c))
+        bv, self.num_warps, per_sm = tile[:3]
+        self.form = tile[3] if len(tile) > 3 else "tile"
+        if self.form not in FORMS:
+            raise ValueError(f"seg_loss tile form {self.form!r}: expected one of {FORMS}")
         self.block_v = block_v or bv
         self.k = 2 + 3 * C
         steps = triton.cdiv(V, self.block_v)
@@ -252,9 +372,16 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, ep
     partials = torch.empty((N, plan.splits, plan.k), **f32)
     sums = torch.empty((N, plan.k), **f32)
     loss, ce, dice = torch.empty((), **f32), torch.empty((), **f32), torch.empty((N,), **f32)
-    _loss_fwd_partials_kernel[(plan.splits, N)](
-        z, y, weight, partials, V, C, plan.k, plan.chunk, plan.splits, z_sn, z_sv, z_sc,
-        y.stride(0), y.stride(1), BLOCK_V=plan.block_v, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+    if plan.form == "rows":
+        _loss_fwd_partials_rows_kernel[(plan.splits, N)](
+            z, y, weight, partials, V, plan.k, plan.chunk, plan.splits, z_sn, z_sv, z_sc,
+            y.stride(0), y.stride(1), C=C, BLOCK_V=plan.block_v, BLOCK_C=plan.block_c,
+            num_warps=plan.num_warps)
+    else:
+        _loss_fwd_partials_kernel[(plan.splits, N)](
+            z, y, weight, partials, V, C, plan.k, plan.chunk, plan.splits, z_sn, z_sv, z_sc,
+            y.stride(0), y.stride(1), BLOCK_V=plan.block_v, BLOCK_C=plan.block_c,
+            num_warps=plan.num_warps)
     _loss_finalize_kernel[(1,)](partials, sums, loss, ce, dice, N, C, plan.k, plan.splits, float(eps),
                                 BLOCK_P=plan.block_p, BLOCK_C=plan.block_c, num_warps=4)
     return loss, ce, dice, sums
@@ -289,11 +416,17 @@ def backward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, s
     d_sn, d_sv, d_sc = nsc_strides(dz)
     gl, gc, gd = (t.detach().to(torch.float32).contiguous() if t is not None else sums
                   for t in (g_loss, g_ce, g_dice))
-    _loss_bwd_kernel[(plan.tiles, N)](
-        z, y, weight, sums, gl, gc, gd, dz, N, V, C, plan.k, float(eps), z_sn, z_sv, z_sc,
-        y.stride(0), y.stride(1), d_sn, d_sv, d_sc,
-        HAS_GL=g_loss is not None, HAS_GC=g_ce is not None, HAS_GD=g_dice is not None,
-        BLOCK_V=plan.block_v, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+    flags = dict(HAS_GL=g_loss is not None, HAS_GC=g_ce is not None, HAS_GD=g_dice is not None)
+    if plan.form == "rows":
+        _loss_bwd_rows_kernel[(plan.tiles, N)](
+            z, y, weight, sums, gl, gc, gd, dz, N, V, plan.k, float(eps), z_sn, z_sv, z_sc,
+            y.stride(0), y.stride(1), d_sn, d_sv, d_sc, **flags, C=C, BLOCK_V=plan.block_v,
+            num_warps=plan.num_warps)
+    else:
+        _loss_bwd_kernel[(plan.tiles, N)](
+            z, y, weight, sums, gl, gc, gd, dz, N, V, C, plan.k, float(eps), z_sn, z_sv, z_sc,
+            y.stride(0), y.stride(1), d_sn, d_sv, d_sc, **flags,
+            BLOCK_V=plan.block_v, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
     return dz
 
 
@@ -301,20 +434,21 @@ def backward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, s
 
 class _SegLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, weight, eps, block_v):
-        loss, ce, dice, sums = forward(logits, labels, weight, eps, block_v)
+    def forward(ctx, logits, labels, weight, eps, block_v, tile):
+        loss, ce, dice, sums = forward(logits, labels, weight, eps, block_v, tile)
         ctx.save_for_backward(logits, labels, weight, sums)
-        ctx.eps, ctx.block_v = eps, block_v
+        ctx.eps, ctx.block_v, ctx.tile = eps, block_v, tile
         ctx.set_materialize_grads(False)  # unused outputs pass None: no zero tensors to launch
         return loss, ce, dice
 
     @staticmethod
     def backward(ctx, g_loss, g_ce, g_dice):
         if g_loss is None and g_ce is None and g_dice is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         logits, labels, weight, sums = ctx.saved_tensors
-        dz = backward(logits, labels, weight, sums, ctx.eps, g_loss, g_ce, g_dice, block_v=ctx.block_v)
-        return dz, None, None, None, None
+        dz = backward(logits, labels, weight, sums, ctx.eps, g_loss, g_ce, g_dice, block_v=ctx.block_v,
+                      tile=ctx.tile)
+        return dz, None, None, None, None, None
 
 
 # --- public entry points ----------------------------------------------------------------------------
@@ -346,9 +480,10 @@ def _check(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> 
 
 
 def seg_loss_terms(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, eps: float,
-                   *, block_v: Optional[int] = None):
+                   *, block_v: Optional[int] = None, tile: Optional[tuple] = None):
     """(loss, ce, soft Dice per sample (N,)) as SegmentationLoss.terms gives them: fp32 device tensors,
-    differentiable with respect to the logits. `block_v` overrides the voxel tile (tests only)."""
+    differentiable with respect to the logits. `block_v` and `tile` override the plan (tests and
+    benchmarks only)."""
     _check(logits, labels, weight)
     w = weight.detach().to(torch.float32).contiguous()
-    return _SegLossFunction.apply(logits, labels, w, float(eps), block_v)
+    return _SegLossFunction.apply(logits, labels, w, float(eps), block_v, tile)
