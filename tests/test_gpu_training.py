@@ -1,6 +1,8 @@
 """Training on the GPU: bitwise reproducibility at 128³, default == strict, and a step that never syncs."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -83,3 +85,21 @@ def test_probe_finds_no_variation_on_our_path_and_some_in_its_control():
     res = probe(scale=7, repeats=3, train_steps=2, ladder=LadderConfig(), device=torch.device("cuda"))
     assert res["varying"] == 0, res["varying_detail"]
     assert res["control"]["distinct"] > 1
+
+
+# A small model (32³, width 16) with every conv site forced onto the Triton conv rungs.
+TRITON_CONVS = ["scale=5", "model.bottleneck=3", "model.base_width=16", "model.groups=8", "device=cuda",
+                "epochs=2", "warmup_steps=1", "ladder.conv=triton", "ladder.conv_transpose=triton"]
+
+
+def test_training_on_triton_convs_gives_the_same_bits_twice(cache, tmp_path):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run_dir in runs:
+        run_dir.mkdir()
+        worker.run(tiny_cfg(cache, *TRITON_CONVS), run_dir)
+    census = json.loads((runs[0] / "census.json").read_text())
+    # Every conv site really ran on Triton: no fallback to cuDNN.
+    assert census["conv"] == {"triton": 11} and census["conv_transpose"] == {"triton": 2}, census
+    assert census["fallbacks"] == []
+    assert stable_rows(runs[0] / "train_stats.csv") == stable_rows(runs[1] / "train_stats.csv")
+    assert same_params(params(runs[0]), params(runs[1]))
