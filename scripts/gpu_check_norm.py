@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from scaffold.bench import norm as nb
 from scaffold.bench import write_json
+from scaffold.bench.timing import kernel_ms
 from scaffold.kernels import concat as cc
 from scaffold.kernels import groupnorm as gn
 
@@ -169,7 +170,6 @@ def stage_sweep():
 
 def stage_profile():
     """Per-kernel device time of one forward + backward at each scale-7 site (torch.profiler)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     rows = []
@@ -185,10 +185,7 @@ def stage_profile():
                 y, mean, rstd = gn.forward(x, 8, w, b, 1e-5, True, torch.bfloat16)
                 gn.backward(dyb, x, w, b, mean, rstd, 8, True)
             torch.cuda.synchronize()
-        per: dict = {}
-        for evt in prof.events():
-            if evt.device_type == DeviceType.CUDA:
-                per[evt.name] = per.get(evt.name, 0.0) + evt.time_range.elapsed_us() / 5
+        per = {k: v * 1e3 for k, v in kernel_ms(prof, 5).items()}  # µs per call
         rows.append(dict(C=C, edge=edge, kernels_us=per))
         SUMMARY.append(f"profile {C}@{edge}^3 us: " + ", ".join(f"{k[:24]} {v:.1f}" for k, v in per.items()))
     RESULTS["profile"] = rows

@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from scaffold.bench import write_json
-from scaffold.bench.timing import graph_ms, wall_ms
+from scaffold.bench.timing import graph_ms, kernel_ms, wall_ms
 from scaffold.kernels import seg_loss
 from scaffold.loss import SegmentationLoss
 
@@ -74,7 +74,6 @@ def main() -> None:
             row = dict(tile=tile, error=str(exc)[:200])
         res["sweep"].append(row)
         print(row, flush=True)
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -84,10 +83,7 @@ def main() -> None:
         for _ in range(5):
             autograd_path()
         torch.cuda.synchronize()
-    per: dict = {}
-    for evt in prof.events():
-        if evt.device_type == DeviceType.CUDA:
-            per[evt.name] = per.get(evt.name, 0.0) + evt.time_range.elapsed_us() / 5
+    per = {k: v * 1e3 for k, v in kernel_ms(prof, 5).items()}  # µs per call
     res["kernels_us"] = per
     print("kernels (us per call): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in per.items()))
     for form in ("tile", "rows"):

@@ -11,15 +11,13 @@ the table gives the median step time and the ratio to `vendor`.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from scaffold import determinism
+from scaffold.bench import write_json
 from scaffold.config import Config, LadderConfig
 
 
@@ -60,8 +58,9 @@ def category(kernel: str) -> str:
 def step_breakdown(step, steps: int) -> dict:
     """Device time per step by part (kernel durations from the profiler, summed by name), the step's
     wall time under the profiler, and the host time to enqueue one step from an idle device."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from scaffold.bench.timing import kernel_ms
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -74,15 +73,10 @@ def step_breakdown(step, steps: int) -> dict:
             step(i)
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    kernels = kernel_ms(prof, steps)
     parts: dict[str, float] = {}
-    kernels: dict[str, float] = {}
-    for evt in prof.events():
-        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False) \
-                or evt.name.startswith(("Optimizer.", "## ", "ProfilerStep")):
-            continue  # record_function ranges mirrored on the GPU timeline: not kernels
-        us = evt.time_range.elapsed_us()
-        parts[category(evt.name)] = parts.get(category(evt.name), 0.0) + us / 1e3 / steps
-        kernels[evt.name] = kernels.get(evt.name, 0.0) + us / 1e3 / steps
+    for name, ms in kernels.items():
+        parts[category(name)] = parts.get(category(name), 0.0) + ms
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
     return {"device_ms_by_part": parts, "device_ms_total": sum(parts.values()),
             "profiled_step_wall_ms": wall_ms, "host_enqueue_ms": host_ms, "top_kernels_ms": top}
@@ -193,12 +187,7 @@ def main(argv=None) -> int:
                                                                 key=lambda kv: -kv[1]))
             print(f"{r['variant']:<10} device ms per step by part: {parts}  (sum {b['device_ms_total']:.2f}; "
                   f"profiled step {b['profiled_step_wall_ms']:.2f}; host enqueue {b['host_enqueue_ms']:.2f})")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"scale": scale, "width": args.width, "device": dev, "results": results},
-                              indent=2) + "\n")
-    os.replace(tmp, out)
+    write_json(args.out, {"scale": scale, "width": args.width, "device": dev, "results": results})
     return 0
 
 

@@ -50,12 +50,9 @@ def concat_sites(scale: int) -> list[dict]:
     return [dict(channels=BASE_WIDTH * 2**i, edge=2 ** (scale - i), count=1) for i in range(levels)]
 
 
-_FLUSH: dict[str, torch.Tensor] = {}
-
-
 def median_ms(fn, budget_ms: float = 400.0, min_reps: int = 5, max_reps: int = 50) -> float:
-    """Median time of fn() in ms: warmed up, L2 flushed before each repetition, CUDA events (a host
-    clock on the CPU, where this only serves as a smoke test)."""
+    """Median time of fn() in ms as launched: warmed up, L2 flushed before each repetition, CUDA events,
+    about `budget_ms` of repetitions (a host clock on the CPU, where this only serves as a smoke test)."""
     if not torch.cuda.is_available():
         fn()
         times = []
@@ -64,24 +61,12 @@ def median_ms(fn, budget_ms: float = 400.0, min_reps: int = 5, max_reps: int = 5
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
-    flush = _FLUSH.setdefault("buf", torch.empty(64 * 2**20, dtype=torch.int32, device="cuda"))
+    from scaffold.bench.timing import timed_ms
+
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    reps = int(min(max_reps, max(min_reps, budget_ms / max(start.elapsed_time(end), 1e-3))))
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    once = timed_ms(fn, 1)
+    return timed_ms(fn, int(min(max_reps, max(min_reps, budget_ms / max(once, 1e-3)))))
 
 
 def _device() -> str:

@@ -26,7 +26,8 @@ def _events():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
-def _timed(launch: Callable[[], object], reps: int) -> float:
+def timed_ms(launch: Callable[[], object], reps: int) -> float:
+    """Median ms of `reps` launches, each between CUDA events, the L2 flushed before each."""
     times = []
     for _ in range(reps):
         flush_l2()
@@ -43,7 +44,7 @@ def wall_ms(fn: Callable[[], object], reps: int = 20) -> float:
     """Median ms of fn() launched from Python (host launch cost included where it dominates)."""
     fn()
     torch.cuda.synchronize()
-    return _timed(fn, reps)
+    return timed_ms(fn, reps)
 
 
 def graph_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> float:
@@ -70,6 +71,21 @@ def graph_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> float
     graph.replay()
     torch.cuda.synchronize()
     try:
-        return _timed(graph.replay, reps)
+        return timed_ms(graph.replay, reps)
     finally:
         del graph
+
+
+def kernel_ms(prof, calls: int = 1) -> dict[str, float]:
+    """Device time per kernel name from a finished torch.profiler run, in ms per call: kernel (and
+    memcpy/memset) durations summed by name, divided by `calls`. `record_function` ranges mirrored on
+    the GPU timeline are not kernels and are left out."""
+    from torch.autograd import DeviceType
+
+    out: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False) \
+                or evt.name.startswith(("Optimizer.", "## ", "ProfilerStep")):
+            continue
+        out[evt.name] = out.get(evt.name, 0.0) + evt.time_range.elapsed_us() / 1e3 / calls
+    return out
