@@ -388,12 +388,6 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, ep
     return loss, ce, dice, sums
 
 
-def forward_sums(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
-                 block_v: Optional[int] = None, eps: float = 1e-6) -> torch.Tensor:
-    """The per-sample sums [N, K] alone (what the backward needs)."""
-    return forward(logits, labels, weight, eps, block_v)[3]
-
-
 def empty_grad_like(logits: torch.Tensor) -> torch.Tensor:
     """A gradient buffer with the logits' dtype and layout (channels-last in, channels-last out)."""
     if logits.is_contiguous():
