@@ -86,7 +86,7 @@ def main() -> None:
     per = {k: v * 1e3 for k, v in kernel_ms(prof, 5).items()}  # µs per call
     res["kernels_us"] = per
     print("kernels (us per call): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in per.items()))
-    for form in ("tile", "rows"):
+    for form in seg_loss.FORMS:
         rows = [r for r in res["sweep"] if "device_ms" in r and r["tile"][3] == form]
         if rows:
             best = min(rows, key=lambda r: r["device_ms"])

@@ -122,10 +122,22 @@ def test_forms_agree_and_ignore_out_of_range_labels():
     y_bad = y.clone()
     y_bad.view(-1)[::7] = 200
     out = {form: run(z, y_bad, w, tile=(8, 1, 4, form)) for form in sl.FORMS}
-    for a, b in zip(out["tile"], out["rows"]):
-        assert rel_err(a.float(), ref.f64(b)) < 1e-5
+    for form in sl.FORMS[1:]:
+        for a, b in zip(out["tile"], out[form]):
+            assert rel_err(a.float(), ref.f64(b)) < 1e-5, form
     with pytest.raises(ValueError, match="tile form"):
         sl.Plan(1, 8, 6, z.device, tile=(8, 1, 4, "columns"))
+
+
+def test_unrolled_form_falls_back_past_eight_classes():
+    # The unrolled forward spells out 8 accumulator sets; with more classes the plan takes the rows form.
+    z, y, w = make(C=10, absent=(4,), seed=10)
+    assert sl.Plan(2, 105, 10, z.device, tile=(8, 1, 4, "unrolled")).form == "rows"
+    assert sl.Plan(2, 105, 8, z.device, tile=(8, 1, 4, "unrolled")).form == "unrolled"
+    loss, ce, dice, dz = run(z, y, w, tile=(8, 1, 4, "unrolled"))
+    e_loss, e_ce, e_dice, e_dz = ref.seg_loss_terms(z, y, w, EPS, grads=(1.0, 0.0, torch.zeros(2)))
+    for out, e in ((loss, e_loss), (dice, e_dice), (dz, e_dz)):
+        assert rel_err(out, e) < 1e-5
 
 
 def test_reference_is_the_eager_head():
@@ -191,7 +203,8 @@ def test_supported_and_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [None, (128, 4, 4, "rows"), (512, 8, 16, "rows")])
+@pytest.mark.parametrize("tile", [None, (128, 4, 4, "rows"), (512, 8, 16, "rows"),
+                                  (128, 4, 16, "unrolled")])
 def test_gpu_128_cubed_matches_eager_and_is_stable(tile):
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -192,11 +192,14 @@ def _loss_bwd_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_p
     tl.store(dz_ptr + n.to(tl.int64) * d_sn + offs, cast_rne(dz, dz_ptr.dtype.element_ty), mask=mask)
 
 
-# --- the "rows" form: one voxel per lane, the classes unrolled at compile time ------------------------
+# --- the "rows" and "unrolled" forms: one voxel per lane, the classes unrolled at compile time ---------
 # The "tile" kernels above hold a [voxels, next_pow2(C)] tile and reduce across the class axis (padded
 # lanes, cross-lane shuffles). These hold one voxel per lane and loop over the C classes (a compile-time
-# constant), re-reading the logits from L1: no padding, no shuffles. Same sums, same formulas; the
-# floating-point order differs, so each form is bitwise repeatable on its own.
+# constant), re-reading the logits from L1: no padding, no shuffles. The rows forward still adds its
+# per-class sums into [voxels, next_pow2(C)] accumulator tiles; the unrolled forward keeps each class's
+# sums in per-lane scalars of its own (C <= 8), so no tile at all: at 128³ × 6 classes on an H200 its
+# forward takes 32 µs against the rows form's 57. Both share the backward. Same sums, same formulas;
+# the floating-point order differs between forms, so each form is bitwise repeatable on its own.
 
 @triton.jit
 def _row_stats(zrow, rmask, z_sc, C: tl.constexpr):
@@ -254,6 +257,83 @@ def _loss_fwd_partials_rows_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, K, chunk, s
 
 
 @triton.jit
+def _class_sums(acc_i, acc_p, acc_g, zrow, rmask, valid, y, m, ls, z_sc, c: tl.constexpr,
+                C: tl.constexpr):
+    """Adds class c's p·[y=c], p and [y=c] of one tile to its per-lane accumulators (a no-op past C)."""
+    if c < C:
+        p = tl.exp((to_f32(tl.load(zrow + c * z_sc, mask=rmask, other=0.0)) - m) - ls)
+        hit = valid & (y == c)
+        acc_i += tl.where(hit, p, 0.0)
+        acc_p += tl.where(rmask, p, 0.0)
+        acc_g += hit.to(tl.float32)
+    return acc_i, acc_p, acc_g
+
+
+@triton.jit
+def _store_class_sums(out, acc_i, acc_p, acc_g, c: tl.constexpr, C: tl.constexpr):
+    if c < C:
+        tl.store(out + 2 + c, tl.sum(acc_i, axis=0))
+        tl.store(out + 2 + C + c, tl.sum(acc_p, axis=0))
+        tl.store(out + 2 + 2 * C + c, tl.sum(acc_g, axis=0))
+
+
+@triton.jit
+def _loss_fwd_partials_unrolled_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, K, chunk, splits,
+                                       z_sn, z_sv, z_sc, y_sn, y_sv,
+                                       C: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The rows form's forward with every per-class sum in its own per-lane accumulator (C <= 8): no
+    [voxels, classes] tile at all. The accumulators are spelled out: Triton has no arrays."""
+    split = tl.program_id(0)
+    n = tl.program_id(1)
+    start = split * chunk
+    end = tl.minimum(start + chunk, V)
+    z_base = z_ptr + n.to(tl.int64) * z_sn
+    y_base = y_ptr + n.to(tl.int64) * y_sn
+    nll = tl.zeros([BLOCK_V], tl.float32)
+    wsum = tl.zeros([BLOCK_V], tl.float32)
+    i0 = tl.zeros([BLOCK_V], tl.float32)
+    p0 = tl.zeros([BLOCK_V], tl.float32)
+    g0 = tl.zeros([BLOCK_V], tl.float32)
+    i1, p1, g1 = i0, p0, g0
+    i2, p2, g2 = i0, p0, g0
+    i3, p3, g3 = i0, p0, g0
+    i4, p4, g4 = i0, p0, g0
+    i5, p5, g5 = i0, p0, g0
+    i6, p6, g6 = i0, p0, g0
+    i7, p7, g7 = i0, p0, g0
+    for v0 in range(start, end, BLOCK_V):
+        rows = v0 + tl.arange(0, BLOCK_V)
+        rmask = rows < end
+        zrow = z_base + rows.to(tl.int64) * z_sv
+        y = tl.load(y_base + rows.to(tl.int64) * y_sv, mask=rmask, other=0).to(tl.int32)
+        valid = rmask & (y >= 0) & (y < C)
+        m, ls = _row_stats(zrow, rmask, z_sc, C)
+        zy = to_f32(tl.load(zrow + y.to(tl.int64) * z_sc, mask=valid, other=0.0))
+        wy = tl.load(w_ptr + y, mask=valid, other=0.0)
+        nll += tl.where(valid, -wy * ((zy - m) - ls), 0.0)
+        wsum += wy
+        i0, p0, g0 = _class_sums(i0, p0, g0, zrow, rmask, valid, y, m, ls, z_sc, 0, C)
+        i1, p1, g1 = _class_sums(i1, p1, g1, zrow, rmask, valid, y, m, ls, z_sc, 1, C)
+        i2, p2, g2 = _class_sums(i2, p2, g2, zrow, rmask, valid, y, m, ls, z_sc, 2, C)
+        i3, p3, g3 = _class_sums(i3, p3, g3, zrow, rmask, valid, y, m, ls, z_sc, 3, C)
+        i4, p4, g4 = _class_sums(i4, p4, g4, zrow, rmask, valid, y, m, ls, z_sc, 4, C)
+        i5, p5, g5 = _class_sums(i5, p5, g5, zrow, rmask, valid, y, m, ls, z_sc, 5, C)
+        i6, p6, g6 = _class_sums(i6, p6, g6, zrow, rmask, valid, y, m, ls, z_sc, 6, C)
+        i7, p7, g7 = _class_sums(i7, p7, g7, zrow, rmask, valid, y, m, ls, z_sc, 7, C)
+    out = part_ptr + (n * splits + split).to(tl.int64) * K
+    tl.store(out, tl.sum(nll, axis=0))
+    tl.store(out + 1, tl.sum(wsum, axis=0))
+    _store_class_sums(out, i0, p0, g0, 0, C)
+    _store_class_sums(out, i1, p1, g1, 1, C)
+    _store_class_sums(out, i2, p2, g2, 2, C)
+    _store_class_sums(out, i3, p3, g3, 3, C)
+    _store_class_sums(out, i4, p4, g4, 4, C)
+    _store_class_sums(out, i5, p5, g5, 5, C)
+    _store_class_sums(out, i6, p6, g6, 6, C)
+    _store_class_sums(out, i7, p7, g7, 7, C)
+
+
+@triton.jit
 def _dice_coef(sums_ptr, n, K, beta, eps, c: tl.constexpr, C: tl.constexpr):
     """(A_c, B_c) of sample n: dL/dp_c = A_c·[y = c] + B_c from the Dice term (0, 0 for the background
     and for a class absent from the sample)."""
@@ -308,22 +388,24 @@ def _loss_bwd_rows_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr,
 
 # --- launch geometry --------------------------------------------------------------------------------
 
-# (arch) -> (voxels per tile, warps, forward split programs per multiprocessor, form: "tile" | "rows").
-# Filled from scripts/gpu_profile_loss.py sweeps; other devices use the heuristic below.
+# (arch) -> (voxels per tile, warps, forward split programs per multiprocessor, form). Forms: "tile",
+# "rows", "unrolled" (see the kernels; the last two share the rows backward). Filled from scripts/gpu_profile_loss.py sweeps; other devices use the heuristic below.
 TILE_TABLE: dict[str, tuple] = {
-    # H200, 2026-12-02, 128³ × 6 classes bf16, device time of forward + backward: the rows form with one
-    # voxel per lane (128 voxels, 4 warps) and ~16 split programs per SM, 105 µs; the best tile-form plan
-    # (32, 2, 16) 168 µs; the previous default (256, 4, 16, tile) 336 µs.
-    "sm90": (128, 4, 16, "rows"),
+    # H200, 2026-12-02, 128³ × 6 classes bf16, device time of forward + backward: the unrolled form
+    # (128 voxels, 4 warps, ~8 split programs per SM) 81.5 µs (forward 32.3, backward 49.2); the rows
+    # form's best (128, 4, 16) 106.1 µs (forward 56.9); the best tile-form plan (32, 2, 16) 168 µs.
+    "sm90": (128, 4, 8, "unrolled"),
 }
-FORMS = ("tile", "rows")
+FORMS = ("tile", "rows", "unrolled")
+UNROLLED_MAX_CLASSES = 8  # the "unrolled" forward spells out 8 accumulator sets
 
 
 def _heuristic_tile(arch: str, block_c: int) -> tuple:
     if arch == "cpu":
         return max(16, 256 // block_c), 4, 4, "tile"  # the interpreter pays per tile, not per element
-    # Many programs in flight: the forward is a streaming reduction, latency-bound with few.
-    return max(16, 2048 // block_c), 4, 16, "tile"
+    # As measured on sm90 (the table): one voxel per lane, per-class sums in per-lane accumulators (the
+    # plan takes the rows forward past 8 classes), enough split programs to keep loads in flight.
+    return 128, 4, 8, "unrolled"
 
 
 class Plan:
@@ -340,6 +422,8 @@ class Plan:
         self.form = tile[3] if len(tile) > 3 else "tile"
         if self.form not in FORMS:
             raise ValueError(f"seg_loss tile form {self.form!r}: expected one of {FORMS}")
+        if self.form == "unrolled" and C > UNROLLED_MAX_CLASSES:
+            self.form = "rows"  # the same backward, and a forward with its per-class sums in a tile
         self.block_v = block_v or bv
         self.k = 2 + 3 * C
         steps = triton.cdiv(V, self.block_v)
@@ -373,7 +457,11 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, ep
     partials = torch.empty((N, plan.splits, plan.k), **f32)
     sums = torch.empty((N, plan.k), **f32)
     loss, ce, dice = torch.empty((), **f32), torch.empty((), **f32), torch.empty((N,), **f32)
-    if plan.form == "rows":
+    if plan.form == "unrolled":
+        _loss_fwd_partials_unrolled_kernel[(plan.splits, N)](
+            z, y, weight, partials, V, plan.k, plan.chunk, plan.splits, z_sn, z_sv, z_sc,
+            y.stride(0), y.stride(1), C=C, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
+    elif plan.form == "rows":
         _loss_fwd_partials_rows_kernel[(plan.splits, N)](
             z, y, weight, partials, V, plan.k, plan.chunk, plan.splits, z_sn, z_sv, z_sc,
             y.stride(0), y.stride(1), C=C, BLOCK_V=plan.block_v, BLOCK_C=plan.block_c,
@@ -412,7 +500,7 @@ def backward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, s
     gl, gc, gd = (t.detach().to(torch.float32).contiguous() if t is not None else sums
                   for t in (g_loss, g_ce, g_dice))
     flags = dict(HAS_GL=g_loss is not None, HAS_GC=g_ce is not None, HAS_GD=g_dice is not None)
-    if plan.form == "rows":
+    if plan.form in ("rows", "unrolled"):
         _loss_bwd_rows_kernel[(plan.tiles, N)](
             z, y, weight, sums, gl, gc, gd, dz, N, V, plan.k, float(eps), z_sn, z_sv, z_sc,
             y.stride(0), y.stride(1), d_sn, d_sv, d_sc, **flags, C=C, BLOCK_V=plan.block_v,
