@@ -17,6 +17,11 @@ forward + backward captured together minus the forward's. Achieved bandwidth
 counts the fewest bytes each direction must move (each input read once, each output written once)
 against the 4.8 TB/s of an H200. Concat sites: torch.cat then the cast to bf16 (stock autocast: cat
 promotes to fp32, the consumer casts) against one Triton kernel, forward and backward.
+
+The row `stream` is not a GroupNorm: it is the device time of ATen's own streaming kernels making the
+same passes over bf16 data that the Triton GroupNorm makes (forward: one full reduction of x, then a
+copy x -> y; backward: reductions of x and of dy, then dx = x + dy), a measured ceiling for this
+two-pass algorithm on this device, beside the 4.8 TB/s datasheet floor.
 """
 from __future__ import annotations
 
@@ -142,7 +147,34 @@ def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
             del y, dy
         except Exception as exc:  # one failing method must not lose the others
             row[name] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    if torch.cuda.is_available():
+        try:
+            row["stream"] = stream_reference(x)
+        except Exception as exc:
+            row["stream"] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        torch.cuda.empty_cache()
     return row
+
+
+def stream_reference(x: torch.Tensor) -> dict:
+    """Device time of the GroupNorm's passes made by ATen's streaming kernels (see the module doc)."""
+    from scaffold.bench.timing import graph_ms
+
+    x = x.detach()
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    dy = torch.randn_like(x)
+
+    def fwd():
+        x.sum(dtype=torch.float32)
+        y.copy_(x)
+
+    def bwd():
+        x.sum(dtype=torch.float32)
+        dy.sum(dtype=torch.float32)
+        torch.add(x, dy, out=dx)
+
+    f, b = graph_ms(fwd), graph_ms(bwd)
+    return dict(fwd_ms=f, bwd_ms=b, total_ms=f + b)
 
 
 def _graph_fwd_bwd(fn, inputs: tuple) -> dict:
@@ -269,7 +301,7 @@ def run(scales: list[int], compile_too: bool = True, deadline: float = float("in
         result["scales"][scale] = dict(norm=norm_rows, norm_totals=totals(norm_rows),
                                        concat=cat_rows, concat_totals=totals(cat_rows))
         print(format_table(f"scale {scale}: GroupNorm+ReLU (device fwd/bwd, achieved vs 4.8 TB/s)", norm_rows,
-                           list(methods)), flush=True)
+                           list(methods) + ["stream"]), flush=True)
         print(format_table(f"scale {scale}: skip concat", cat_rows,
                            ["aten", "triton", "triton_bf16_skip"]), flush=True)
         for kind, rows in (("GroupNorm+ReLU", norm_rows), ("concat", cat_rows)):
