@@ -127,9 +127,11 @@ def stage_digest():
 # Split (statistics) passes: (elements per tile, warps, programs per SM); elementwise (normalize, dx)
 # passes: (elements per tile, warps). Swept one side at a time, the other at the heuristic's value
 # (the first entry of each list); device time from CUDA-graph replays, L2 flushed before each.
-SWEEP_RED = [(4096, 8, 4), (4096, 8, 8), (8192, 8, 4), (2048, 4, 8), (2048, 4, 16), (16384, 16, 2)]
-SWEEP_EW = [(4096, 8), (2048, 4), (8192, 8), (16384, 16)]
+SWEEP_RED = [(4096, 8, 4), (4096, 8, 8), (8192, 8, 4), (2048, 4, 8), (2048, 4, 16), (16384, 16, 2),
+             (2048, 8, 8), (4096, 4, 8), (8192, 16, 4), (4096, 8, 2), (8192, 8, 2)]
+SWEEP_EW = [(4096, 8), (2048, 4), (8192, 8), (16384, 16), (4096, 4), (1024, 4)]
 SWEEP_SITES = [(64, 128), (128, 64), (256, 32), (512, 16), (1024, 8), (2048, 8), (64, 256)]
+SITES = [SWEEP_SITES]  # the sweep's sites; --sites replaces them
 
 
 def stage_sweep():
@@ -138,7 +140,7 @@ def stage_sweep():
     rows = []
     red0, ew0 = SWEEP_RED[0], SWEEP_EW[0]
     configs = [r + ew0 for r in SWEEP_RED] + [red0 + e for e in SWEEP_EW[1:]]
-    for C, edge in SWEEP_SITES:
+    for C, edge in SITES[0]:
         x, w, b, dy = make(C, edge)
         dyb = dy.to(torch.bfloat16)
         del dy
@@ -207,10 +209,17 @@ def main():
     p.add_argument("--scales", type=int, nargs="+", default=[7])
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--out-dir", default="bench_results/gpu_norm")
+    p.add_argument("--sites", default=None, metavar="C@EDGE,...",
+                   help="sweep only these sites, e.g. 64@128,128@64 (default: every scale-7 and -8 shape)")
     p.add_argument("--budget-s", type=float, default=270.0, help="start nothing new after this")
     args = p.parse_args()
     t0 = time.time()
     DEADLINE[0] = t0 + args.budget_s
+    if args.sites:
+        try:
+            SITES[0] = [tuple(int(v) for v in site.split("@")) for site in args.sites.split(",")]
+        except ValueError:
+            raise SystemExit(f"--sites {args.sites!r}: expected C@EDGE pairs, e.g. 64@128,128@64")
     RESULTS["env"] = dict(torch=torch.__version__, device=torch.cuda.get_device_name(),
                           triton=__import__("triton").__version__)
     stages = dict(check=stage_check, tests=stage_tests, sweep=stage_sweep, xproc=stage_xproc,

@@ -262,13 +262,17 @@ def _gn_bwd_dx_kernel(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, c
 
 # (arch, dtype, width class) -> (elements per [BLOCK_S, BLOCK_C] tile, num_warps, programs per SM) of the
 # split (statistics) passes, then (elements per tile, num_warps) of the elementwise (normalize, dx)
-# passes. Width class: 'narrow' (C <= 128) or 'wide'. Filled from `scripts/gpu_check_norm.py --stages
-# sweep` runs (CUDA-graph timing of every site shape); other keys use the heuristic.
+# passes. Width class: 'narrow' (C <= 128), 'mid' (C <= 256) or 'wide'. Filled from
+# `scripts/gpu_check_norm.py --stages sweep` runs (CUDA-graph timing of every site shape); other keys use
+# the heuristic.
 TILE_TABLE: dict[tuple[str, str, str], tuple[int, int, int, int, int]] = {
-    # H200, 2026-12-02 sweep (scale-7 and -8 site shapes, bf16 channels-last, device time): narrow sites
-    # gain from longer elementwise tiles (64@128³ fwd 0.271 -> 0.240 ms); wide ones from long split
-    # tiles and fewer splits (512@16³ fwd+bwd 0.089 -> 0.056 ms; 2048@8³ 0.076 -> 0.051).
-    ("sm90", "bf16", "narrow"): (4096, 8, 4, 8192, 8),
+    # H200, 2026-12-02 sweeps (bf16 channels-last, device time, hardware bf16 rounding): narrow sites
+    # take 4096-element elementwise tiles on 4 warps (fwd + bwd 64@128³ 0.624 -> 0.606 ms, 128@64³
+    # 0.205 -> 0.194, 128@128³ 1.214 -> 1.134 against 8192 on 8 warps); 256-channel sites 2 split
+    # programs per SM (256@32³ 0.105 -> 0.088 ms, 256@64³ 0.381 -> 0.364); wider sites long split tiles
+    # and fewer splits (512@16³ fwd+bwd 0.089 -> 0.056 ms; 2048@8³ 0.076 -> 0.051).
+    ("sm90", "bf16", "narrow"): (4096, 8, 4, 4096, 4),
+    ("sm90", "bf16", "mid"): (4096, 8, 2, 4096, 8),
     ("sm90", "bf16", "wide"): (16384, 16, 2, 4096, 8),
 }
 
@@ -294,7 +298,7 @@ class Plan:
     def __init__(self, N: int, C: int, S: int, G: int, device: torch.device, dtype: torch.dtype,
                  tile: Optional[tuple[int, ...]] = None):
         arch = arch_key(device)
-        width = "narrow" if C <= 128 else "wide"
+        width = "narrow" if C <= 128 else "mid" if C <= 256 else "wide"
         tile = tuple(tile or TILE_TABLE.get((arch, _dtype_key(dtype), width), _heuristic_tile(arch)))
         if len(tile) == 3:
             tile = tile + tile[:2]
