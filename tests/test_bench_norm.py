@@ -26,3 +26,18 @@ def test_table_totals_weight_sites_by_count():
 def test_cli_rejects_bad_scale():
     with pytest.raises(SystemExit, match=r"--scales \[2\]: expected integers in 4..9"):
         nb.main(["--scales", "2"])
+
+
+def test_stream_reference_row_adds_into_the_totals(monkeypatch):
+    # The reference runs its passes (here on the CPU, each timed as 1 ms) and reports what totals() sums.
+    import torch
+
+    from scaffold.bench import timing
+
+    calls = []
+    monkeypatch.setattr(timing, "graph_ms", lambda fn: (calls.append(fn()), 1.0)[1])
+    x = torch.randn(1, 8, 4, 4, 4).to(torch.bfloat16)
+    r = nb.stream_reference(x)
+    assert len(calls) == 2 and r["total_ms"] == 2.0
+    assert r["floor_ms"] == x.numel() * 2 * 5 / nb.PEAK_BYTES_PER_S * 1e3
+    assert nb.totals([dict(channels=8, edge=4, count=3, stream=r)])["stream"]["total_ms"] == 6.0
