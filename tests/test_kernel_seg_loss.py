@@ -204,7 +204,7 @@ def test_supported_and_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", [None, (128, 4, 4, "rows"), (512, 8, 16, "rows"),
-                                  (128, 4, 16, "unrolled")])
+                                  (128, 4, 16, "unrolled"), (32, 2, 16, "tile")])
 def test_gpu_128_cubed_matches_eager_and_is_stable(tile):
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)

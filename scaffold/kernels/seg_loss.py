@@ -47,6 +47,33 @@ MAX_CLASSES = 16
 # --- kernels --------------------------------------------------------------------------------------
 
 @triton.jit
+def _store_sums(out, nll, wsum, inter, psum, gsum, cols, cmask, C):
+    """One row of K = 2 + 3C sums: Σ w·nll, Σ w, then I, P, G per class (a split's partials or a
+    sample's totals; the layout the finalize and the backward read)."""
+    tl.store(out, nll)
+    tl.store(out + 1, wsum)
+    tl.store(out + 2 + cols, inter, mask=cmask)
+    tl.store(out + 2 + C + cols, psum, mask=cmask)
+    tl.store(out + 2 + 2 * C + cols, gsum, mask=cmask)
+
+
+@triton.jit
+def _grad_scales(sums_ptr, gl_ptr, gc_ptr, gd_ptr, n, N, K, C,
+                 HAS_GL: tl.constexpr, HAS_GC: tl.constexpr, HAS_GD: tl.constexpr):
+    """The backward's per-sample scalars from the saved sums and the incoming gradients: the CE factor
+    s = (dL/dCE)/Σ w over the batch, and beta = dL/d(dice_n) spread over the C − 1 foreground classes."""
+    w_total = tl.load(sums_ptr + 1)
+    for m in range(1, N):  # the batch's Σ w, in sample order
+        w_total += tl.load(sums_ptr + m * K + 1)
+    g_loss = tl.load(gl_ptr) if HAS_GL else 0.0
+    g_ce = tl.load(gc_ptr) if HAS_GC else 0.0
+    g_dice = tl.load(gd_ptr + n) if HAS_GD else 0.0
+    ce_scale = (g_loss + g_ce) / w_total
+    beta = (g_dice - g_loss / N) / (C - 1)  # d(loss)/d(dice_n) = −g_loss/N; the mean over C − 1
+    return ce_scale, beta
+
+
+@triton.jit
 def _softmax_tile(z_base, y_base, w, v0, end, C, z_sv, z_sc, y_sv,
                   BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
     """One tile of voxels [v0, v0 + BLOCK_V) ∩ [.., end): log p, p (0 on padding columns), the one-hot
@@ -96,11 +123,8 @@ def _loss_fwd_partials_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, C, K, chunk, spl
         psum += tl.where(mask, p, 0.0)
         gsum += onehot.to(tl.float32)
     out = part_ptr + (n * splits + split).to(tl.int64) * K
-    tl.store(out, tl.sum(nll, axis=0))
-    tl.store(out + 1, tl.sum(wsum, axis=0))
-    tl.store(out + 2 + cols, tl.sum(inter, axis=0), mask=cmask)
-    tl.store(out + 2 + C + cols, tl.sum(psum, axis=0), mask=cmask)
-    tl.store(out + 2 + 2 * C + cols, tl.sum(gsum, axis=0), mask=cmask)
+    _store_sums(out, tl.sum(nll, axis=0), tl.sum(wsum, axis=0), tl.sum(inter, axis=0),
+                tl.sum(psum, axis=0), tl.sum(gsum, axis=0), cols, cmask, C)
 
 
 @triton.jit
@@ -137,11 +161,7 @@ def _loss_finalize_kernel(part_ptr, sums_ptr, loss_ptr, ce_ptr, dice_ptr, N, C, 
         psum = tl.sum(a_p, axis=0)
         gsum = tl.sum(a_g, axis=0)
         out = sums_ptr + n * K
-        tl.store(out, nll)
-        tl.store(out + 1, wsum)
-        tl.store(out + 2 + cols, inter, mask=cmask)
-        tl.store(out + 2 + C + cols, psum, mask=cmask)
-        tl.store(out + 2 + 2 * C + cols, gsum, mask=cmask)
+        _store_sums(out, nll, wsum, inter, psum, gsum, cols, cmask, C)
         dice_c = tl.where(gsum > 0.0, (2.0 * inter + eps) / (psum + gsum + eps), 1.0)
         dice = tl.sum(tl.where(foreground, dice_c, 0.0), axis=0) / (C - 1)
         tl.store(dice_ptr + n, dice)
@@ -165,14 +185,7 @@ def _loss_bwd_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_p
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
     # The per-sample coefficients, rebuilt by every program from the saved sums (a few dozen flops):
     # dL/dp_c(v) = a_c·[y_v = c] + b_c for the Dice part, s·w[y]·(p − onehot) for the CE part.
-    w_total = tl.load(sums_ptr + 1)
-    for m in range(1, N):  # the batch's Σ w, in sample order
-        w_total += tl.load(sums_ptr + m * K + 1)
-    g_loss = tl.load(gl_ptr) if HAS_GL else 0.0
-    g_ce = tl.load(gc_ptr) if HAS_GC else 0.0
-    g_dice = tl.load(gd_ptr + n) if HAS_GD else 0.0
-    ce_scale = (g_loss + g_ce) / w_total
-    beta = (g_dice - g_loss / N) / (C - 1)  # d(loss)/d(dice_n) = −g_loss/N; the mean over C − 1
+    ce_scale, beta = _grad_scales(sums_ptr, gl_ptr, gc_ptr, gd_ptr, n, N, K, C, HAS_GL, HAS_GC, HAS_GD)
     row = sums_ptr + n * K + 2
     inter = tl.load(row + cols, mask=cmask, other=0.0)
     gsum = tl.load(row + 2 * C + cols, mask=cmask, other=0.0)
@@ -249,11 +262,8 @@ def _loss_fwd_partials_rows_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, K, chunk, s
         z2 = to_f32(tl.load(zrow[:, None] + cols.to(tl.int64)[None, :] * z_sc, mask=mask2, other=0.0))
         psum += tl.where(mask2, tl.exp((z2 - m[:, None]) - ls[:, None]), 0.0)
     out = part_ptr + (n * splits + split).to(tl.int64) * K
-    tl.store(out, tl.sum(nll, axis=0))
-    tl.store(out + 1, tl.sum(wsum, axis=0))
-    tl.store(out + 2 + cols, tl.sum(inter, axis=0), mask=cmask)
-    tl.store(out + 2 + C + cols, tl.sum(psum, axis=0), mask=cmask)
-    tl.store(out + 2 + 2 * C + cols, tl.sum(gsum, axis=0), mask=cmask)
+    _store_sums(out, tl.sum(nll, axis=0), tl.sum(wsum, axis=0), tl.sum(inter, axis=0),
+                tl.sum(psum, axis=0), tl.sum(gsum, axis=0), cols, cmask, C)
 
 
 @triton.jit
@@ -354,14 +364,7 @@ def _loss_bwd_rows_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr,
                           C: tl.constexpr, BLOCK_V: tl.constexpr):
     v0 = tl.program_id(0) * BLOCK_V
     n = tl.program_id(1)
-    w_total = tl.load(sums_ptr + 1)
-    for m_ in range(1, N):  # the batch's Σ w, in sample order
-        w_total += tl.load(sums_ptr + m_ * K + 1)
-    g_loss = tl.load(gl_ptr) if HAS_GL else 0.0
-    g_ce = tl.load(gc_ptr) if HAS_GC else 0.0
-    g_dice = tl.load(gd_ptr + n) if HAS_GD else 0.0
-    ce_scale = (g_loss + g_ce) / w_total
-    beta = (g_dice - g_loss / N) / (C - 1)
+    ce_scale, beta = _grad_scales(sums_ptr, gl_ptr, gc_ptr, gd_ptr, n, N, K, C, HAS_GL, HAS_GC, HAS_GD)
     rows = v0 + tl.arange(0, BLOCK_V)
     rmask = rows < V
     n64 = n.to(tl.int64)
