@@ -74,6 +74,11 @@ def median_ms(fn, budget_ms: float = 400.0, min_reps: int = 5, max_reps: int = 5
     return timed_ms(fn, int(min(max_reps, max(min_reps, budget_ms / max(once, 1e-3)))))
 
 
+def _failure(exc: Exception) -> str:
+    """One line for a method that failed, kept in the results so the other methods' numbers survive."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -118,7 +123,7 @@ def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
             try:  # device time first, on leaves of its own (see _graph_fwd_bwd)
                 r.update(_graph_fwd_bwd(lambda xs, ws, bs, fn=fn: fn(xs, ws, bs), (x, w, b)))
             except Exception as exc:
-                r["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                r["graph_error"] = _failure(exc)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         try:
@@ -146,12 +151,12 @@ def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
             row[name] = r
             del y, dy
         except Exception as exc:  # one failing method must not lose the others
-            row[name] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            row[name] = dict(error=_failure(exc))
     if torch.cuda.is_available():
         try:
             row["stream"] = stream_reference(x)
         except Exception as exc:
-            row["stream"] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            row["stream"] = dict(error=_failure(exc))
         torch.cuda.empty_cache()
     return row
 
@@ -238,14 +243,14 @@ def bench_concat_site(site: dict, seed: int = 0) -> dict:
                 try:
                     r.update(_graph_fwd_bwd(lambda p, q, fn=fn: fn(p, q), (a, b)))
                 except Exception as exc:
-                    r["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    r["graph_error"] = _failure(exc)
             if "total_ms" not in r:
                 r.update(fwd_ms=wf, bwd_ms=wb, total_ms=wf + wb)
             r["tb_per_s"] = floor_bytes / (r["total_ms"] * 1e-3) / 1e12
             row[name] = r
             del out, dy
         except Exception as exc:
-            row[name] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            row[name] = dict(error=_failure(exc))
     return row
 
 
