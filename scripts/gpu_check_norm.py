@@ -170,6 +170,48 @@ def stage_sweep():
             SUMMARY.append(f"sweep {r['C']}@{r['edge']}^3 tile {r['tile']}: {r.get('error', '')[:150]}")
 
 
+# Split passes' tile loop: (num_stages, loop_unroll_factor) of tl.range; (0, 0) is the compiler's choice.
+LOOP_OPTIONS = [(0, 0), (0, 2), (0, 4), (2, 0), (3, 0), (4, 0), (2, 2)]
+
+
+def stage_loop():
+    """The table's tile for each site with each loop option (same bits by construction: checked)."""
+    from scaffold.bench.timing import graph_ms
+
+    rows = []
+    for C, edge in SITES[0]:
+        x, w, b, dy = make(C, edge)
+        dyb = dy.to(torch.bfloat16)
+        del dy
+        width = "narrow" if C <= 128 else "mid" if C <= 256 else "wide"
+        base = gn.TILE_TABLE.get((gn.arch_key(x.device), "bf16", width))
+        ref = None
+        for loop in LOOP_OPTIONS:
+            if time.time() > DEADLINE[0]:
+                break
+            tile = tuple(base[:5]) + loop
+            try:
+                y, mean, rstd = gn.forward(x, 8, w, b, 1e-5, True, torch.bfloat16, tile=tile)
+                dx, _, _ = gn.backward(dyb, x, w, b, mean, rstd, 8, True, tile=tile)
+                bits = (y.view(torch.int16).sum().item(), dx.view(torch.int16).sum().item(),
+                        mean.sum().item(), rstd.sum().item())
+                ref = bits if ref is None else ref
+                f = graph_ms(lambda: gn.forward(x, 8, w, b, 1e-5, True, torch.bfloat16, tile=tile))
+                bw = graph_ms(lambda: gn.backward(dyb, x, w, b, mean, rstd, 8, True, tile=tile))
+                rows.append(dict(C=C, edge=edge, tile=tile, fwd_ms=f, bwd_ms=bw, same_bits=bits == ref))
+                del y, mean, rstd, dx
+            except Exception as exc:
+                rows.append(dict(C=C, edge=edge, tile=tile, error=str(exc)[:300]))
+            print(rows[-1], flush=True)
+        del x, dyb
+        torch.cuda.empty_cache()
+    RESULTS["loop"] = rows
+    for r in rows:
+        SUMMARY.append(f"loop {r['C']}@{r['edge']}^3 {r['tile'][5:]}: " + (
+            f"fwd {r['fwd_ms']:.4f} bwd {r['bwd_ms']:.4f} ms same bits {r['same_bits']}"
+            if "fwd_ms" in r else r["error"][:150]))
+
+
 def stage_profile():
     """Per-kernel device time of one forward + backward at each scale-7 site (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -223,7 +265,7 @@ def main():
     RESULTS["env"] = dict(torch=torch.__version__, device=torch.cuda.get_device_name(),
                           triton=__import__("triton").__version__)
     stages = dict(check=stage_check, tests=stage_tests, sweep=stage_sweep, xproc=stage_xproc,
-                  profile=stage_profile,
+                  profile=stage_profile, loop=stage_loop,
                   digest=stage_digest,
                   bench=lambda: stage_bench(args.scales, not args.no_compile, t0 + args.budget_s))
     if args.stages == ["digest"]:

@@ -54,6 +54,8 @@ CASES = [  # N, C, G, spatial, layout, relu, affine, tile override (elements, wa
     (2, 16, 8, (3, 5, 7), "ncdhw", False, False, (128, 1, 2)),  # affine=False
     (3, 12, 4, (2, 2, 13), "cl", True, True, (16, 1, 64)),  # one tile per split, many splits
     (2, 16, 4, (3, 5, 7), "cl", True, True, (64, 1, 4, 16, 1)),  # elementwise tiles ≠ split tiles
+    (2, 16, 4, (3, 5, 7), "cl", True, True, (64, 1, 4, 16, 1, 3, 2)),  # split loops pipelined
+    (2, 16, 4, (3, 5, 7), "cl", True, True, (64, 1, 4, 16, 1, 0, 0, 3, 0)),  # fwd, bwd loops apart
 ]
 
 
@@ -142,6 +144,14 @@ def test_every_output_element_written():
     dx = torch.full(x.shape, NAN).contiguous(memory_format=CL)
     dx, dw, db = gn.backward(dy, x, w, b, mean, rstd, 8, True, out=dx)
     assert not dx.isnan().any() and not dw.isnan().any() and not db.isnan().any()
+
+
+def test_split_loop_options_keep_the_bits():
+    """Pipelining or unrolling the split passes' loops reorders no arithmetic: same bits."""
+    x, w, b, dy = make(2, 16, (5, 5, 5))
+    outs = [run_both(x, 4, w, b, dy, True, tile=(64, 1, 4, 16, 1) + loop)[0]
+            for loop in ((0, 0, 0, 0), (2, 2, 3, 0), (0, 4, 4, 2))]
+    assert all(torch.equal(p, q) for o in outs[1:] for p, q in zip(outs[0], o))
 
 
 def test_deterministic_bits():

@@ -54,7 +54,8 @@ def _tile_ptrs(base, s0, end, C, s_s, s_c, BLOCK_S: tl.constexpr, BLOCK_C: tl.co
 
 @triton.jit
 def _gn_fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn, x_ss, x_sc,
-                         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+                         STAGES: tl.constexpr, UNROLL: tl.constexpr):
     n = tl.program_id(0)
     split = tl.program_id(1)
     start = split * chunk
@@ -66,7 +67,7 @@ def _gn_fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn
     k = to_f32(tl.load(base + cols.to(tl.int64) * x_sc, mask=cols < C, other=0.0))
     s1 = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
     s2 = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
-    for s0 in range(start, end, BLOCK_S):
+    for s0 in tl.range(start, end, BLOCK_S, num_stages=STAGES, loop_unroll_factor=UNROLL):
         ptrs, mask = _tile_ptrs(base, s0, end, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
         d = tl.where(mask, to_f32(tl.load(ptrs, mask=mask, other=0.0)) - k[None, :], 0.0)
         s1 += d
@@ -165,7 +166,8 @@ def _masked_grad(x, dy, mean, rstd, w, b, RELU: tl.constexpr):
 def _gn_bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_ptr, pgx_ptr,
                          S, C, G, CG, chunk, splits, x_sn, x_ss, x_sc, d_sn, d_ss, d_sc,
                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+                         STAGES: tl.constexpr, UNROLL: tl.constexpr):
     n = tl.program_id(0)
     split = tl.program_id(1)
     start = split * chunk
@@ -176,7 +178,7 @@ def _gn_bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_
     dbase = dy_ptr + n.to(tl.int64) * d_sn
     acc_g = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
     acc_gx = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
-    for s0 in range(start, end, BLOCK_S):
+    for s0 in tl.range(start, end, BLOCK_S, num_stages=STAGES, loop_unroll_factor=UNROLL):
         xp, mask = _tile_ptrs(xbase, s0, end, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
         dp, _ = _tile_ptrs(dbase, s0, end, C, d_ss, d_sc, BLOCK_S, BLOCK_C)
         x = to_f32(tl.load(xp, mask=mask, other=0.0))
@@ -262,17 +264,22 @@ def _gn_bwd_dx_kernel(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, c
 
 # (arch, dtype, width class) -> (elements per [BLOCK_S, BLOCK_C] tile, num_warps, programs per SM) of the
 # split (statistics) passes, then (elements per tile, num_warps) of the elementwise (normalize, dx)
-# passes. Width class: 'narrow' (C <= 128), 'mid' (C <= 256) or 'wide'. Filled from
-# `scripts/gpu_check_norm.py --stages sweep` runs (CUDA-graph timing of every site shape); other keys use
-# the heuristic.
-TILE_TABLE: dict[tuple[str, str, str], tuple[int, int, int, int, int]] = {
+# passes, then (num_stages, unroll) of the forward's and of the backward's split loop (0: the compiler's
+# choice). Width class: 'narrow' (C <= 128), 'mid' (C <= 256) or 'wide'. Filled from
+# `scripts/gpu_check_norm.py --stages sweep loop` runs (CUDA-graph timing of every site shape); other
+# keys use the heuristic.
+TILE_TABLE: dict[tuple[str, str, str], tuple[int, ...]] = {
     # H200, 2026-12-02 sweeps (bf16 channels-last, device time, hardware bf16 rounding): narrow sites
     # take 4096-element elementwise tiles on 4 warps (fwd + bwd 64@128³ 0.624 -> 0.606 ms, 128@64³
     # 0.205 -> 0.194, 128@128³ 1.214 -> 1.134 against 8192 on 8 warps); 256-channel sites 2 split
     # programs per SM (256@32³ 0.105 -> 0.088 ms, 256@64³ 0.381 -> 0.364); wider sites long split tiles
     # and fewer splits (512@16³ fwd+bwd 0.089 -> 0.056 ms; 2048@8³ 0.076 -> 0.051).
-    ("sm90", "bf16", "narrow"): (4096, 8, 4, 4096, 4),
-    ("sm90", "bf16", "mid"): (4096, 8, 2, 4096, 8),
+    # Split loops (`--stages loop`, same bits): the backward's 3 stages deep at C <= 256 (64@256³
+    # bwd 2.823 -> 2.565 ms, 128@128³ 0.706 -> 0.632, 64@128³ 0.379 -> 0.343); the forward's too
+    # at 256 channels (256@64³ 0.149 -> 0.124), the compiler's loop at C <= 128 (64@256³: 1.628
+    # against 1.71-1.82 ms for every other option).
+    ("sm90", "bf16", "narrow"): (4096, 8, 4, 4096, 4, 0, 0, 3, 0),
+    ("sm90", "bf16", "mid"): (4096, 8, 2, 4096, 8, 3, 0, 3, 0),
     ("sm90", "bf16", "wide"): (16384, 16, 2, 4096, 8),
 }
 
@@ -293,7 +300,10 @@ class Plan:
     """Launch geometry of one call: a pure function of (shape, groups, device, dtype).
 
     `tile` overrides the table: (elements, warps, programs per SM) for every pass, or five values
-    (split passes' elements, warps, programs per SM, then the elementwise passes' elements, warps)."""
+    (split passes' elements, warps, programs per SM, then the elementwise passes' elements, warps),
+    then optionally the split passes' tile loops: (num_stages, loop_unroll_factor) of `tl.range`, once
+    for both passes (seven values) or for the forward's then the backward's (nine); 0 leaves it to the
+    compiler. Loop depth and unrolling change neither the arithmetic nor its order."""
 
     def __init__(self, N: int, C: int, S: int, G: int, device: torch.device, dtype: torch.dtype,
                  tile: Optional[tuple[int, ...]] = None):
@@ -302,7 +312,13 @@ class Plan:
         tile = tuple(tile or TILE_TABLE.get((arch, _dtype_key(dtype), width), _heuristic_tile(arch)))
         if len(tile) == 3:
             tile = tile + tile[:2]
-        elems, self.num_warps, per_sm, ew_elems, self.ew_warps = tile
+        if len(tile) == 5:
+            tile = tile + (0, 0)
+        if len(tile) == 7:
+            tile = tile + tile[5:]
+        elems, self.num_warps, per_sm, ew_elems, self.ew_warps = tile[:5]
+        self.fwd_loop = dict(STAGES=tile[5] or None, UNROLL=tile[6] or None)
+        self.bwd_loop = dict(STAGES=tile[7] or None, UNROLL=tile[8] or None)
         self.block_c = triton.next_power_of_2(C)
         self.block_s = max(1, elems // self.block_c)
         steps = triton.cdiv(S, self.block_s)
@@ -352,7 +368,7 @@ def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
     rstd = torch.empty((N, G), **f32)
     _gn_fwd_partials_kernel[(N, plan.splits)](
         x, pmean, pm2, S, C, plan.chunk, plan.splits, x_sn, x_ss, x_sc,
-        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps, **plan.fwd_loop)
     _gn_fwd_combine_kernel[(N, G)](
         pmean, pm2, mean, rstd, S, C, G, C // G, plan.chunk, plan.splits, float(eps),
         BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
@@ -392,7 +408,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
     _gn_bwd_partials_kernel[(N, plan.splits)](
         x, dy, mean, rstd, w, b, pg, pgx, S, C, G, C // G, plan.chunk, plan.splits,
         x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, **flags,
-        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps)
+        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps, **plan.bwd_loop)
     _gn_bwd_combine_kernel[(N, G)](
         pg, pgx, w, sg, sgx, c1, c2, S, C, G, C // G, plan.splits, HAS_W=weight is not None,
         BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
