@@ -4,8 +4,10 @@
 
 For every distinct conv site of the model and each direction it times each candidate tile with
 triton.testing.do_bench (median), sums the times per table key (arch|dtype|op|shape class, each
-site weighted by its count in the model) and keeps the fastest candidate per key. --write rewrites
-the TABLE block of scaffold/kernels/tiles.py (temp file + rename); the run-time path never times.
+site weighted by its count in the model) and keeps the fastest candidate per key. A candidate whose
+result differs bitwise between repeated calls is disqualified (a compiler race would show so).
+--ops limits the run to some table ops (e.g. box,boxw). --write rewrites the TABLE block of
+scaffold/kernels/tiles.py (temp file + rename); the run-time path never times.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import tempfile
 
 import torch
 
-from scaffold.bench.conv import distinct_sites, model_sites, site_tensors, time_ms, triton_calls
+from scaffold.bench.conv import (_first, distinct_sites, model_sites, site_tensors, time_ms,
+                                 triton_calls)
 from scaffold.kernels import tiles
 from scaffold.kernels.common import arch_key
 from scaffold.kernels.tiles import Tile, dtype_key, shape_class
@@ -41,10 +44,39 @@ WGRAD = {
                 Tile(128, 128, 32, 8, 4), Tile(64, 64, 64, 4, 4)],
 }
 
+# Box kernels (tensor descriptors, stride 1). boxw tiles: (Cout block, Cin block, voxels per box,
+# warps, stages, group_m, kw taps per program).
+BOX = {
+    "small": [Tile(128, 64, 64, 4, 4), Tile(128, 64, 64, 4, 3), Tile(256, 64, 64, 8, 3),
+              Tile(64, 64, 64, 4, 4), Tile(256, 64, 64, 8, 4)],
+    "wide": [Tile(256, 128, 64, 8, 3), Tile(256, 128, 64, 8, 4), Tile(128, 256, 64, 8, 3),
+             Tile(128, 128, 64, 4, 4), Tile(128, 128, 64, 8, 3)],
+    "tiny": [Tile(128, 128, 64, 8, 3), Tile(64, 128, 64, 4, 4), Tile(64, 64, 64, 4, 4),
+             Tile(128, 64, 64, 4, 4)],
+}
+BOXW = {
+    "small": [Tile(64, 64, 128, 4, 3), Tile(64, 64, 128, 4, 3, 8, 3), Tile(64, 64, 128, 8, 3, 8, 3),
+              Tile(64, 64, 256, 8, 3, 8, 3), Tile(64, 128, 128, 8, 3)],
+    "wide": [Tile(128, 128, 64, 8, 3), Tile(128, 128, 128, 8, 3), Tile(128, 64, 128, 4, 3),
+             Tile(128, 64, 128, 8, 3, 8, 3), Tile(64, 128, 128, 8, 3, 8, 3)],
+    "tiny": [Tile(128, 128, 64, 8, 3), Tile(128, 128, 128, 8, 3), Tile(64, 64, 128, 4, 3),
+             Tile(128, 64, 64, 4, 3, 8, 3)],
+}
+
+
+def uses_box(site) -> bool:
+    """Whether the launchers take the box kernels for this site (bf16, channels-last operands)."""
+    return site.kind == "conv" and site.cin % 8 == 0 and site.cout % 8 == 0
+
 
 def site_ops(site) -> dict:
     """direction -> (table op, shape class) as the launchers look them up."""
     taps = site.k ** 3
+    if uses_box(site):
+        v = site.out_edge ** 3
+        return {"fwd": ("box", shape_class(site.cin, site.cout, taps, v)),
+                "bwd_data": ("box", shape_class(site.cout, site.cin, taps, v)),
+                "bwd_weight": ("boxw", shape_class(site.cin, site.cout, taps, v))}
     if site.kind == "convT":
         return {"fwd": ("convT", shape_class(site.cin, site.cout, taps)),
                 "bwd_data": ("gather", shape_class(site.cout, site.cin, taps)),
@@ -55,12 +87,21 @@ def site_ops(site) -> dict:
 
 
 def candidates(op: str, cls: str) -> list:
+    if op in ("box", "boxw"):
+        table = BOX if op == "box" else BOXW
+        return table.get(cls, table["wide"])
     if op == "wgrad":
         return WGRAD["flat" if cls == "flat" else "default"]
     return CANDIDATES[cls]
 
 
-def tune(scale: int, names=None, log=print) -> dict:
+def repeatable(call, times: int = 4) -> bool:
+    """Whether `times` calls give bitwise the same result."""
+    first = _first(call()).clone()
+    return all(torch.equal(first, _first(call())) for _ in range(times - 1))
+
+
+def tune(scale: int, names=None, ops=None, log=print) -> dict:
     arch, dt = arch_key(torch.device("cuda")), torch.bfloat16
     sums: dict[str, list[float]] = {}
     for site, count in distinct_sites(model_sites(scale)):
@@ -69,13 +110,17 @@ def tune(scale: int, names=None, log=print) -> dict:
         x, w, b, dy = site_tensors(site)
         calls = triton_calls(site, x, w, b, dy)
         for d, (op, cls) in site_ops(site).items():
+            if ops and op not in ops:
+                continue
             key = f"{arch}|{dtype_key(dt)}|{op}|{cls}"
             cands = candidates(op, cls)
             acc = sums.setdefault(key, [0.0] * len(cands))
             for i, tile in enumerate(cands):
                 tiles.FORCED[op] = tile
                 try:
-                    ms = time_ms(calls[d])
+                    ms = time_ms(calls[d]) if repeatable(calls[d]) else math.inf
+                    if ms == math.inf:
+                        log(f"  {site.name} {d} {tile}: NOT REPEATABLE, disqualified")
                 except Exception as e:  # a config that does not fit (shared memory) just loses
                     ms = math.inf
                     log(f"  {site.name} {d} {tile}: {type(e).__name__}")
@@ -89,8 +134,13 @@ def tune(scale: int, names=None, log=print) -> dict:
     for key, acc in sums.items():
         cls, op = key.split("|")[3], key.split("|")[2]
         best = min(range(len(acc)), key=lambda i: acc[i])
+        if math.isinf(acc[best]):
+            log(f"no candidate for {key} ran (and repeated bitwise): key left out")
+            continue
         t = candidates(op, cls)[best]
         table[key] = [t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, t.group_m]
+        if t.taps != 1:
+            table[key].append(t.taps)
         log(f"best {key}: {t} total {acc[best]:.3f} ms (candidates: "
             + ", ".join(f"{a:.3f}" for a in acc) + ")")
     return table
@@ -112,18 +162,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=int, default=7)
     p.add_argument("--sites", default="", help="comma-separated substrings of site names")
+    p.add_argument("--ops", default="", help="comma-separated table ops to tune (default: all)")
     p.add_argument("--out", default="", help="write the chosen table as JSON here")
     p.add_argument("--write", action="store_true", help="rewrite the TABLE block of tiles.py")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_conv: needs a CUDA GPU", file=sys.stderr)
         return 2
-    table = tune(args.scale, [n for n in args.sites.split(",") if n] or None)
+    table = tune(args.scale, [n for n in args.sites.split(",") if n] or None,
+                 [o for o in args.ops.split(",") if o] or None)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1)
-    if args.write:
-        write_table(table, tiles.__file__)
+    if args.write:  # keys not tuned in this run keep their rows
+        write_table({**{k: list(v) for k, v in tiles.TABLE.items()}, **table}, tiles.__file__)
     print(json.dumps(table, indent=1))
     return 0
 

@@ -149,3 +149,96 @@ def test_bias_grad_many_splits_fixed_order():
     assert torch.equal(got.double().cpu(), dy.sum(dim=(0, 2, 3, 4)))
     r = torch.randn(2, 5, 9, 8, 7, generator=gen).to(DEV)
     assert torch.equal(bias_grad(r, torch.float32), bias_grad(r, torch.float32))
+
+
+# --- box kernels (tensor-descriptor loads): stride 1, channels-last operands, channels % 8 == 0 ----
+
+# (N, Cin, Cout, spatial, kernel, padding, dilation, bias, dtype)
+BOX_CASES = [
+    pytest.param(2, 8, 16, (5, 3, 7), 3, 1, 1, True, torch.float32, id="box-prime-fp32"),
+    pytest.param(1, 16, 8, (4, 6, 5), 3, 2, 2, False, torch.float32, id="box-dilation2-fp32"),
+    pytest.param(1, 8, 24, (3, 5, 4), 1, 0, 1, True, torch.bfloat16, id="box-1x1x1-bf16"),
+    pytest.param(1, 24, 16, (6, 5, 3), 3, 0, 1, False, torch.bfloat16, id="box-valid-bf16"),
+]
+
+
+def cl_all(dtype, *ts):
+    return [None if t is None else on_dev(t, dtype, True) for t in ts]
+
+
+@pytest.mark.parametrize("n,cin,cout,size,k,p,d,has_bias,dtype", BOX_CASES)
+def test_box_conv_small_integers_bitwise(n, cin, cout, size, k, p, d, has_bias, dtype):
+    """Forward, backward-data (into an NCDHW buffer: any output strides) and backward-weight on
+    the box path equal the float64 reference exactly; padding is the zero fill of out-of-volume
+    (negative included) box coordinates."""
+    from scaffold.kernels.conv_box import box_supported
+
+    gen = torch.Generator().manual_seed(2000 + cin * 31 + cout)
+    x, w, b, dy = make_conv(gen, n, cin, cout, size, k, 1, p, d, has_bias, integer=True)
+    geom = ((1,) * 3, (p,) * 3, (d,) * 3)
+    refs = conv3d_ref(x, w, b, *geom, grad_out=dy)
+    xd, wd, dyd = cl_all(dtype, x, w, dy)
+    bd = None if b is None else on_dev(b, dtype, False)
+    if DEV.type == "cpu" or dtype != torch.float32:  # the GPU keeps fp32 on the gather kernels
+        assert box_supported((xd, wd), wd.shape, (1, 1, 1)) and box_supported((dyd, xd), wd.shape, (1, 1, 1))
+    got = run_conv_directions(xd, wd, bd, dyd, geom, dtype)
+    for name, g, r in zip(("y", "dx", "dw", "db"), got, refs):
+        if r is not None:
+            assert torch.equal(g.double().cpu(), r.to(dtype).double()), f"box {name} differs"
+
+
+@pytest.mark.parametrize("taps", [1, 3])
+def test_box_weight_grad_taps_per_program(taps, monkeypatch):
+    """One program owning 1 or 3 kw taps (dy box loaded once for all three): same exact result;
+    a reduction cut into several splits summed in fixed order, identical across calls."""
+    from scaffold.kernels import tiles
+    from scaffold.kernels.tiles import Tile
+
+    gen = torch.Generator().manual_seed(11)
+    x, w, _, dy = make_conv(gen, 2, 8, 16, (7, 5, 6), 3, 1, 1, 1, False, integer=True)
+    geom = ((1,) * 3, (1,) * 3, (1,) * 3)
+    refs = conv3d_ref(x, w, None, *geom, grad_out=dy)
+    xd, wd, dyd = cl_all(torch.float32, x, w, dy)
+    monkeypatch.setitem(tiles.FORCED, "boxw", Tile(16, 8, 16, num_warps=4, num_stages=1, taps=taps))
+    dw = K.conv3d_backward_weight(dyd, xd, w.shape, torch.float32, *geom,
+                                  out=poisoned(w.shape, torch.float32))
+    assert torch.equal(dw.double().cpu(), refs[2])
+    r = torch.randn(2, 8, 7, 5, 6, generator=gen).to(DEV).contiguous(memory_format=CL)
+    g = torch.randn(2, 16, 7, 5, 6, generator=gen).to(DEV).contiguous(memory_format=CL)
+    one = K.conv3d_backward_weight(g, r, w.shape, torch.float32, *geom)
+    assert torch.equal(one, K.conv3d_backward_weight(g, r, w.shape, torch.float32, *geom))
+    ref = conv3d_ref(r.double().cpu(), torch.zeros(w.shape, dtype=torch.float64), None, *geom,
+                     grad_out=g.double().cpu())[2]
+    assert rel_err(one, ref) < 1e-5
+
+
+def test_box_random_bf16_error_bound_and_repeat():
+    """Random bf16 operands on the box path: within one bf16 rounding, two calls bitwise equal."""
+    gen = torch.Generator().manual_seed(12)
+    x, w, b, dy = make_conv(gen, 1, 16, 24, (6, 4, 5), 3, 1, 1, 1, True, integer=False)
+    geom = ((1,) * 3, (1,) * 3, (1,) * 3)
+    xd, wd, dyd = cl_all(torch.bfloat16, x, w, dy)
+    bd = on_dev(b, torch.bfloat16, False)
+    refs = conv3d_ref(*[a.double().cpu() for a in (xd, wd, bd)], *geom, grad_out=dyd.double().cpu())
+    first = run_conv_directions(xd, wd, bd, dyd, geom, torch.bfloat16)
+    second = run_conv_directions(xd, wd, bd, dyd, geom, torch.bfloat16)
+    for name, g1, g2, r in zip(("y", "dx", "dw", "db"), first, second, refs):
+        assert torch.equal(g1, g2), f"box {name}: two calls differ"
+        assert rel_err(g1, r) < 1e-2, f"box {name}: relative error {rel_err(g1, r):.2e}"
+
+
+def test_box_routing():
+    """What takes the box kernels: stride 1, channels-last operands of one dtype, channels % 8."""
+    from scaffold.kernels.conv_box import box_supported
+
+    x = torch.zeros(1, 16, 4, 4, 4, device=DEV).contiguous(memory_format=CL)
+    w = torch.zeros(8, 16, 3, 3, 3, device=DEV).contiguous(memory_format=CL)
+    cpu = DEV.type == "cpu"
+    assert box_supported((x, w), w.shape, (1, 1, 1)) == cpu  # fp32 stays on gather on the GPU
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert box_supported((xb, wb), w.shape, (1, 1, 1))
+    assert not box_supported((xb, wb), w.shape, (2, 2, 2))  # strided: gather
+    assert not box_supported((xb.contiguous(), wb), w.shape, (1, 1, 1))  # NCDHW input
+    assert not box_supported((xb, wb.contiguous()), w.shape, (1, 1, 1))  # weight not channels-last
+    assert not box_supported((xb, wb), (6, 16, 3, 3, 3), (1, 1, 1))  # Cout 6: rows not 16-byte
+    assert not box_supported((xb, w), w.shape, (1, 1, 1))  # mixed dtypes

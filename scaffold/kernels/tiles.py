@@ -4,10 +4,11 @@ Tiles are chosen by table lookup, never by timing at run time, so the bits a run
 on (device, dtype, shape). `scripts/tune_conv.py` times candidates offline on a GPU and rewrites the
 TABLE block below; anything missing falls back to `heuristic_tile`.
 
-Ops: 'gather' (forward and backward-data), 'wgrad' (backward-weight), 'convT' (transposed forward).
+Ops: 'gather' (forward and backward-data), 'wgrad' (backward-weight), 'convT' (transposed forward),
+'box' (stride-1 forward and backward-data on tensor descriptors), 'boxw' (their backward-weight).
 Shape classes (see `shape_class`): 'flat' (Cin < 16: the RGB stem), 'narrow' (Cout <= 16: the
-head, the stem's backward-data),
-'small' (output channels < 128), 'wide' (the rest).
+head, the stem's backward-data), 'tiny' (box ops only: at most 16³ voxels per sample, where a launch
+has few tiles), 'small' (output channels < 128), 'wide' (the rest).
 """
 from __future__ import annotations
 
@@ -24,14 +25,18 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+    taps: int = 1  # box wgrad only: neighbouring kw taps per program (1-3)
 
 
-def shape_class(cin: int, cout: int, taps: int) -> str:
-    """The table's coarse shape key: which regime of the GEMM a conv site is in."""
+def shape_class(cin: int, cout: int, taps: int, voxels: int = 0) -> str:
+    """The table's coarse shape key: which regime of the GEMM a conv site is in (`voxels`, one
+    sample's output voxels, is given by the box ops only)."""
     if cin < 16:
         return "flat"
     if cout <= 16:
         return "narrow"
+    if 0 < voxels <= 4096:
+        return "tiny"
     if cout < 128:
         return "small"
     return "wide"
@@ -43,6 +48,12 @@ def dtype_key(dtype: torch.dtype) -> str:
 
 # BEGIN TABLE (written by scripts/tune_conv.py; keys: arch|dtype|op|class)
 TABLE: dict[str, tuple] = {
+    "sm90|bf16|box|small": (256, 64, 64, 8, 3, 8),
+    "sm90|bf16|box|tiny": (64, 128, 64, 4, 4, 8),
+    "sm90|bf16|box|wide": (256, 128, 64, 8, 3, 8),
+    "sm90|bf16|boxw|small": (64, 64, 128, 4, 3, 8, 3),
+    "sm90|bf16|boxw|tiny": (128, 64, 64, 4, 3, 8, 3),
+    "sm90|bf16|boxw|wide": (128, 64, 128, 4, 3, 8),
     "sm90|bf16|convT|small": (128, 64, 64, 8, 3, 8),
     "sm90|bf16|convT|wide": (128, 256, 64, 8, 3, 8),
     "sm90|bf16|gather|flat": (128, 64, 16, 4, 4, 8),
@@ -55,6 +66,12 @@ TABLE: dict[str, tuple] = {
     "sm90|bf16|wgrad|wide": (128, 128, 64, 8, 3, 8),
 }
 # END TABLE
+# The box rows come from `scripts/tune_conv.py --scale 7 --ops box,boxw` (H200, 2026-12-02), with two
+# hand edits: box|wide takes (256, 128, 64, 8, 3), faster than the tuner's 4-stage pick at 6 of 8
+# sites (the sum was swung by one noisy reading), and boxw|wide (128, 64, 128, 4, 3) instead of the
+# tuner's (128, 128, 64, 8, 3), 1.5% slower in sum: that tile, and the same 128 x 128 tile on 8 warps
+# for the box forward, gave results that differ between calls at several shapes (Triton 3.6), so no
+# table entry or heuristic uses it.
 
 
 def heuristic_tile(arch: str, dtype: torch.dtype, op: str, cls: str) -> Tile:
@@ -64,6 +81,12 @@ def heuristic_tile(arch: str, dtype: torch.dtype, op: str, cls: str) -> Tile:
         return Tile(32, 16, 16, num_warps=4, num_stages=1, group_m=4)
     wide = dtype != torch.float32
     bk = 64 if wide else 32
+    if op == "boxw":  # block_m: Cout, block_n: Cin, block_k: voxels per box
+        return Tile(128, 64, 128, num_warps=4, num_stages=3)
+    if op == "box":
+        if cls == "small":
+            return Tile(128, 64, bk, num_warps=4, num_stages=4)
+        return Tile(256, 128, bk, num_warps=8, num_stages=3)
     if op == "wgrad":
         if cls == "flat":
             return Tile(64, 64, 32, num_warps=4, num_stages=3)  # block_m: Cout, block_n: taps*Cin
@@ -82,14 +105,14 @@ FORCED: dict[str, Tile] = {}
 
 
 def conv_tile(device: torch.device, dtype: torch.dtype, op: str, cin: int, cout: int,
-              taps: int) -> Tile:
+              taps: int, voxels: int = 0) -> Tile:
     """The tile for one launch: the frozen table entry if any, else the heuristic."""
     from .common import arch_key
 
     if op in FORCED:
         return FORCED[op]
     arch = arch_key(device)
-    cls = shape_class(cin, cout, taps)
+    cls = shape_class(cin, cout, taps, voxels if op in ("box", "boxw") else 0)
     entry = TABLE.get(f"{arch}|{dtype_key(dtype)}|{op}|{cls}")
     if entry is not None:
         return Tile(*entry)

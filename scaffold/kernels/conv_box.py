@@ -1,0 +1,260 @@
+"""Conv3d at stride 1 as an implicit GEMM over boxes of voxels, read with tensor descriptors.
+
+Algorithm. A tile's rows are a box of BD×BH×BW voxels of one sample (BLOCK_M = BD·BH·BW). For tap
+(kd, kh, kw) the operand that tap needs is the same box shifted by the tap, a single 5-D descriptor
+load of x viewed as [N, D, H, W, C] (the channels-last memory order): coordinates outside the volume,
+negative ones included, read as zero, which is the zero padding. On Hopper each such load is one copy
+by the tensor memory accelerator into shared memory, so no thread computes a gather address.
+  forward        y[box, co]   = sum over (tap, ci) of x[box + tap·dil − pad, ci] · W[co, ci, tap]
+  backward-data  dx[box, ci]  = sum over (tap, co) of dy[box − tap·dil + pad, co] · W[co, ci, tap]
+                 (stride 1 only: the forward's mirror image, no flip or copy of the weight)
+  backward-wgt   dW[co, ci, tap] = sum over boxes of dy[box, co]ᵀ · x[box + tap·dil − pad, ci],
+                 split-K over the boxes with fp32 partials added in index order (`sum_splits`).
+The weight is read in place as [Cout, taps, Cin] (channels_last_3d order) through a 3-D descriptor.
+Outputs are written with ordinary masked stores (any strides).
+
+Requirements (`box_supported`): CUDA device with tensor descriptors (or the interpreter), stride 1,
+x (or dy) channels-last dense, channel counts that are multiples of 8 (16-byte rows, what the copy
+engine needs), and a channels-last weight.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .conv_fwd import dot_mode, mma
+from .grid import grouped_program
+from .splits import split_count, sum_splits
+
+try:  # Triton >= 3.3 host-side descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the box kernels are simply not used
+    TensorDescriptor = None
+
+
+@triton.jit
+def _box_origin(pid_m, tiles_d, tiles_h, tiles_w, BD: tl.constexpr, BH: tl.constexpr,
+                BW: tl.constexpr):
+    """(n, d0, h0, w0) of box number pid_m (w fastest)."""
+    tw = pid_m % tiles_w
+    t = pid_m // tiles_w
+    th = t % tiles_h
+    t = t // tiles_h
+    td = t % tiles_d
+    n = t // tiles_d
+    return n, td * BD, th * BH, tw * BW
+
+
+@triton.jit
+def _conv_box_kernel(
+    x_desc, w_desc, b_ptr, y_ptr,
+    C, CO, D, H, W, tiles_d, tiles_h, tiles_w, num_boxes,
+    syn, syc, syd, syh, syw,
+    PD, PH, PW, DD, DH, DW,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    MIRROR: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BD * BH * BW
+    pid_m, pid_n = grouped_program(tl.program_id(0), num_boxes, tl.cdiv(CO, BLOCK_N), GROUP_M)
+    n, d0, h0, w0 = _box_origin(pid_m, tiles_d, tiles_h, tiles_w, BD, BH, BW)
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    blocks_c = tl.cdiv(C, BLOCK_K)
+    for it in range(0, KD * KH * KW * blocks_c):
+        tap = it // blocks_c
+        c0 = (it - tap * blocks_c) * BLOCK_K
+        kw = tap % KW
+        kh = (tap // KW) % KH
+        kd = tap // (KW * KH)
+        if MIRROR:
+            a = x_desc.load([n, d0 + PD - kd * DD, h0 + PH - kh * DH, w0 + PW - kw * DW, c0])
+            b = w_desc.load([c0, tap, n0]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            a = x_desc.load([n, d0 - PD + kd * DD, h0 - PH + kh * DH, w0 - PW + kw * DW, c0])
+            b = tl.trans(w_desc.load([n0, tap, c0]).reshape(BLOCK_N, BLOCK_K))
+        acc = mma(a.reshape(BLOCK_M, BLOCK_K), b, acc, PRECISION, UPCAST)
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < CO
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    r = tl.arange(0, BLOCK_M)
+    od = d0 + r // (BH * BW)
+    oh = h0 + (r // BW) % BH
+    ow = w0 + r % BW
+    mask_m = (od < D) & (oh < H) & (ow < W)
+    y_row = (n.to(tl.int64) * syn + od.to(tl.int64) * syd + oh.to(tl.int64) * syh
+             + ow.to(tl.int64) * syw)
+    y_off = y_row[:, None] + offs_n[None, :].to(tl.int64) * syc
+    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _wgrad_store(p_ptr, acc, split, tap, offs_r, offs_c, R, C, Q):
+    p_off = (split.to(tl.int64) * R * Q + offs_r[:, None].to(tl.int64) * Q
+             + (tap * C + offs_c)[None, :])
+    tl.store(p_ptr + p_off, acc.to(p_ptr.dtype.element_ty),
+             mask=(offs_r < R)[:, None] & (offs_c < C)[None, :])
+
+
+@triton.jit
+def _conv_box_wgrad_kernel(
+    g_desc, x_desc, p_ptr,
+    R, C, tiles_d, tiles_h, tiles_w, num_boxes, boxes_per_split,
+    PD, PH, PW, DD, DH, DW,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, TW: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    # Each program owns TW (1, 2 or 3) neighbouring kw taps: one load of the dy box feeds TW products.
+    BLOCK_M: tl.constexpr = BD * BH * BW
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    blocks_r = tl.cdiv(R, BLOCK_R)
+    blocks_c = tl.cdiv(C, BLOCK_Q)
+    pid_r = pid % blocks_r  # neighbouring programs read the same x boxes
+    t = pid // blocks_r
+    cb = t % blocks_c
+    tg = t // blocks_c  # tap group: (kd, kh, kw0)
+    groups_w: tl.constexpr = KW // TW
+    kw0 = (tg % groups_w) * TW
+    kh = (tg // groups_w) % KH
+    kd = tg // (groups_w * KH)
+    r0 = pid_r * BLOCK_R
+    c0 = cb * BLOCK_Q
+    acc0 = tl.zeros((BLOCK_R, BLOCK_Q), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_R, BLOCK_Q), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_R, BLOCK_Q), dtype=tl.float32)
+    first = split * boxes_per_split
+    last = tl.minimum(first + boxes_per_split, num_boxes)
+    for box in range(first, last):
+        n, d0, h0, w0 = _box_origin(box, tiles_d, tiles_h, tiles_w, BD, BH, BW)
+        gt = tl.trans(g_desc.load([n, d0, h0, w0, r0]).reshape(BLOCK_M, BLOCK_R))
+        xd = d0 - PD + kd * DD
+        xh = h0 - PH + kh * DH
+        xw = w0 - PW + kw0 * DW
+        xg = x_desc.load([n, xd, xh, xw, c0]).reshape(BLOCK_M, BLOCK_Q)
+        acc0 = mma(gt, xg, acc0, PRECISION, UPCAST)
+        if TW > 1:
+            xg = x_desc.load([n, xd, xh, xw + DW, c0]).reshape(BLOCK_M, BLOCK_Q)
+            acc1 = mma(gt, xg, acc1, PRECISION, UPCAST)
+        if TW > 2:
+            xg = x_desc.load([n, xd, xh, xw + 2 * DW, c0]).reshape(BLOCK_M, BLOCK_Q)
+            acc2 = mma(gt, xg, acc2, PRECISION, UPCAST)
+
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    offs_c = c0 + tl.arange(0, BLOCK_Q)
+    Q = KD * KH * KW * C
+    tap = (kd * KH + kh) * KW + kw0
+    _wgrad_store(p_ptr, acc0, split, tap, offs_r, offs_c, R, C, Q)
+    if TW > 1:
+        _wgrad_store(p_ptr, acc1, split, tap + 1, offs_r, offs_c, R, C, Q)
+    if TW > 2:
+        _wgrad_store(p_ptr, acc2, split, tap + 2, offs_r, offs_c, R, C, Q)
+
+
+# --- host side ------------------------------------------------------------------------------------
+
+def box_shape(size: tuple, block_m: int) -> tuple:
+    """(BD, BH, BW): a box of `block_m` voxels (powers of two) that hugs the volume's W, then H."""
+    d, h, w = size
+    bw = min(triton.next_power_of_2(w), block_m)
+    bh = min(triton.next_power_of_2(h), block_m // bw)
+    bd = max(1, block_m // (bw * bh))
+    return bd, bh, bw
+
+
+def _ndhwc(t: torch.Tensor) -> torch.Tensor:
+    """The [N, D, H, W, C] view of a channels-last NCDHW tensor (no copy)."""
+    return t.permute(0, 2, 3, 4, 1)
+
+
+def _taps_view(w: torch.Tensor) -> torch.Tensor:
+    """A channels_last_3d weight (Cout, Cin, kd, kh, kw) as its dense [Cout, taps, Cin] storage."""
+    co, ci = w.shape[:2]
+    return w.permute(0, 2, 3, 4, 1).reshape(co, -1, ci)
+
+
+def box_supported(tensors: tuple, w_shape, stride: tuple) -> bool:
+    """Whether the box kernels take a stride-1 conv of weight shape w_shape whose operands (x, w,
+    dy: what the direction reads) are `tensors`. A pure function of device, dtype, layout, shape."""
+    if TensorDescriptor is None or tuple(stride) != (1, 1, 1):
+        return False
+    t0 = tensors[0]
+    if t0.is_cuda:
+        # Tensor descriptors are Hopper's copy engine; fp32 boxes of 64 channels exceed its
+        # 128-byte swizzled rows, so fp32 keeps the gather kernels on the GPU.
+        if torch.cuda.get_device_capability(t0.device)[0] < 9 or t0.dtype == torch.float32:
+            return False
+    if w_shape[0] % 8 or w_shape[1] % 8:
+        return False
+    return all(t.dtype == t0.dtype and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+               and t.is_contiguous(memory_format=torch.channels_last_3d) for t in tensors)
+
+
+def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding: tuple,
+             dilation: tuple, mirror: bool, tile, allow_tf32: bool = False) -> torch.Tensor:
+    """Forward (mirror=False: x is the input, out is y) or backward-data (mirror=True: x is dy,
+    out is dx) of a stride-1 conv with weight w (Cout, Cin, kd, kh, kw), channels-last."""
+    k = tuple(w.shape[2:])
+    co_w, ci_w = w.shape[:2]
+    c, co = (co_w, ci_w) if mirror else (ci_w, co_w)  # reduction channels, output channels
+    bd, bh, bw = box_shape(tuple(out.shape[2:]), tile.block_m)
+    x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, tile.block_k])
+    w_block = [tile.block_k, 1, tile.block_n] if mirror else [tile.block_n, 1, tile.block_k]
+    w_desc = TensorDescriptor.from_tensor(_taps_view(w), w_block)
+    n, _, d, h, wd = out.shape
+    tiles = (triton.cdiv(d, bd), triton.cdiv(h, bh), triton.cdiv(wd, bw))
+    num_boxes = n * tiles[0] * tiles[1] * tiles[2]
+    grid = (num_boxes * triton.cdiv(co, tile.block_n),)
+    _conv_box_kernel[grid](
+        x_desc, w_desc, bias if bias is not None else w, out,
+        c, co, d, h, wd, *tiles, num_boxes, *out.stride(), *padding, *dilation, *k,
+        MIRROR=mirror, HAS_BIAS=bias is not None, **dot_mode(x, allow_tf32),
+        BD=bd, BH=bh, BW=bw, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+def taps_per_program(kw: int, tile) -> int:
+    """kw taps one wgrad program owns: the tile's (1-3) where it divides the kernel's kw."""
+    t = max(1, min(3, tile.taps))
+    return t if kw % t == 0 else 1
+
+
+def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, kernel: tuple,
+                         padding: tuple, dilation: tuple, tile,
+                         allow_tf32: bool = False) -> torch.Tensor:
+    """dW (R, C, kd, kh, kw), channels_last_3d, of the stride-1 conv x -> g (g: output gradient).
+
+    Tile fields: block_m = output channels R per program, block_n = input channels C per program,
+    block_k = voxels per box, taps = kw taps per program (1-3)."""
+    assert out.is_contiguous(memory_format=torch.channels_last_3d), "out must be channels_last_3d"
+    n, r = g.shape[:2]
+    c = x.shape[1]
+    taps = kernel[0] * kernel[1] * kernel[2]
+    bd, bh, bw = box_shape(tuple(g.shape[2:]), tile.block_k)
+    g_desc = TensorDescriptor.from_tensor(_ndhwc(g), [1, bd, bh, bw, tile.block_m])
+    x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, tile.block_n])
+    tiles = (triton.cdiv(g.shape[2], bd), triton.cdiv(g.shape[3], bh), triton.cdiv(g.shape[4], bw))
+    num_boxes = n * tiles[0] * tiles[1] * tiles[2]
+    tw = taps_per_program(kernel[2], tile)
+    programs = triton.cdiv(r, tile.block_m) * triton.cdiv(c, tile.block_n) * (taps // tw)
+    s = split_count(g.device, programs, num_boxes, r * c * taps)
+    per_split = triton.cdiv(num_boxes, s)
+    s = triton.cdiv(num_boxes, per_split)
+    partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
+                                              dtype=torch.float32)
+    _conv_box_wgrad_kernel[(programs, s)](
+        g_desc, x_desc, partials, r, c, *tiles, num_boxes, per_split, *padding, *dilation, *kernel,
+        TW=tw, **dot_mode(x, allow_tf32), BD=bd, BH=bh, BW=bw, BLOCK_R=tile.block_m, BLOCK_Q=tile.block_n,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    if s > 1:
+        sum_splits(partials, out.permute(0, 2, 3, 4, 1).view(-1))
+    return out
