@@ -11,7 +11,9 @@ by the tensor memory accelerator into shared memory, so no thread computes a gat
   backward-wgt   dW[co, ci, tap] = sum over boxes of dy[box, co]ᵀ · x[box + tap·dil − pad, ci],
                  split-K over the boxes with fp32 partials added in index order (`sum_splits`).
 The weight is read in place as [Cout, taps, Cin] (channels_last_3d order) through a 3-D descriptor.
-Outputs are written with ordinary masked stores (any strides).
+Outputs are written with ordinary masked stores (any strides). Where a launch has too few tiles to
+fill the device (the 8³ and 16³ sites), the forward and backward-data split their (tap, channel)
+loop too: fp32 partials per split, added in index order by `sum_splits`.
 
 Requirements (`box_supported`): CUDA device with tensor descriptors (or the interpreter), stride 1,
 x (or dy) channels-last dense, channel counts that are multiples of 8 (16-byte rows, what the copy
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import sm_count
 from .conv_fwd import dot_mode, mma
 from .grid import grouped_program
 from .splits import split_count, sum_splits
@@ -49,8 +52,8 @@ def _box_origin(pid_m, tiles_d, tiles_h, tiles_w, BD: tl.constexpr, BH: tl.const
 @triton.jit
 def _conv_box_kernel(
     x_desc, w_desc, b_ptr, y_ptr,
-    C, CO, D, H, W, tiles_d, tiles_h, tiles_w, num_boxes,
-    syn, syc, syd, syh, syw,
+    C, CO, D, H, W, tiles_d, tiles_h, tiles_w, num_boxes, iters_per_split,
+    sys, syn, syc, syd, syh, syw,
     PD, PH, PW, DD, DH, DW,
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     MIRROR: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -61,9 +64,12 @@ def _conv_box_kernel(
     pid_m, pid_n = grouped_program(tl.program_id(0), num_boxes, tl.cdiv(CO, BLOCK_N), GROUP_M)
     n, d0, h0, w0 = _box_origin(pid_m, tiles_d, tiles_h, tiles_w, BD, BH, BW)
     n0 = pid_n * BLOCK_N
+    split = tl.program_id(1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     blocks_c = tl.cdiv(C, BLOCK_K)
-    for it in range(0, KD * KH * KW * blocks_c):
+    first = split * iters_per_split
+    last = tl.minimum(first + iters_per_split, KD * KH * KW * blocks_c)
+    for it in range(first, last):
         tap = it // blocks_c
         c0 = (it - tap * blocks_c) * BLOCK_K
         kw = tap % KW
@@ -79,15 +85,16 @@ def _conv_box_kernel(
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < CO
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # once: into split 0's partial
+        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
     r = tl.arange(0, BLOCK_M)
     od = d0 + r // (BH * BW)
     oh = h0 + (r // BW) % BH
     ow = w0 + r % BW
     mask_m = (od < D) & (oh < H) & (ow < W)
-    y_row = (n.to(tl.int64) * syn + od.to(tl.int64) * syd + oh.to(tl.int64) * syh
-             + ow.to(tl.int64) * syw)
+    y_row = (split.to(tl.int64) * sys + n.to(tl.int64) * syn + od.to(tl.int64) * syd
+             + oh.to(tl.int64) * syh + ow.to(tl.int64) * syw)
     y_off = y_row[:, None] + offs_n[None, :].to(tl.int64) * syc
     tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -210,14 +217,33 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     n, _, d, h, wd = out.shape
     tiles = (triton.cdiv(d, bd), triton.cdiv(h, bh), triton.cdiv(wd, bw))
     num_boxes = n * tiles[0] * tiles[1] * tiles[2]
-    grid = (num_boxes * triton.cdiv(co, tile.block_n),)
-    _conv_box_kernel[grid](
-        x_desc, w_desc, bias if bias is not None else w, out,
-        c, co, d, h, wd, *tiles, num_boxes, *out.stride(), *padding, *dilation, *k,
+    programs = num_boxes * triton.cdiv(co, tile.block_n)
+    iters = k[0] * k[1] * k[2] * triton.cdiv(c, tile.block_k)
+    # Split only a launch of less than one wave: more tiles already keep every multiprocessor busy.
+    s = split_count(x.device, programs, iters, out.numel()) if programs < sm_count(x.device) else 1
+    per_split = triton.cdiv(iters, s)
+    s = triton.cdiv(iters, per_split)
+    if s == 1:
+        target, split_stride = out, 0
+    else:  # fp32 partials [S, N, D, H, W, C], summed in order into a dense channels-last result
+        target = torch.empty((s, n, d, h, wd, co), device=x.device, dtype=torch.float32)
+        target = target.permute(0, 1, 5, 2, 3, 4)
+        split_stride = target.stride(0)
+    _conv_box_kernel[(programs, s)](
+        x_desc, w_desc, bias if bias is not None else w, target,
+        c, co, d, h, wd, *tiles, num_boxes, per_split, split_stride, *target.stride()[-5:],
+        *padding, *dilation, *k,
         MIRROR=mirror, HAS_BIAS=bias is not None, **dot_mode(x, allow_tf32),
         BD=bd, BH=bh, BW=bw, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
+    if s > 1:
+        dense = out.is_contiguous(memory_format=torch.channels_last_3d)
+        result = out if dense else torch.empty_like(out, memory_format=torch.channels_last_3d)
+        sum_splits(target.permute(0, 1, 3, 4, 5, 2).reshape(s, -1),
+                   result.permute(0, 2, 3, 4, 1).view(-1))
+        if not dense:
+            out.copy_(result)
     return out
 
 
