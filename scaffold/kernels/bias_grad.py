@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .grid import voxel_coords
-from .splits import split_count, sum_splits
+from .splits import split_plan, sum_splits
 
 
 @triton.jit
@@ -46,9 +46,8 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = No
     block_c = min(max(triton.next_power_of_2(c), 16), 64)
     block_m = 16 if not g.is_cuda else 128
     steps = triton.cdiv(m, block_m)
-    s = split_count(g.device, triton.cdiv(c, block_c), steps, c, min_steps=8)
-    chunk = triton.cdiv(steps, s) * block_m
-    s = triton.cdiv(m, chunk)
+    s, per_split = split_plan(g.device, triton.cdiv(c, block_c), steps, c, min_steps=8)
+    chunk = per_split * block_m
     partials = out if s == 1 else torch.empty((s, c), device=g.device, dtype=torch.float32)
     _bias_grad_kernel[(triton.cdiv(c, block_c), s)](
         g, partials, m, c, chunk, *g.shape[2:], *g.stride(),

@@ -27,8 +27,8 @@ import triton.language as tl
 
 from .common import sm_count
 from .conv_fwd import dot_mode, mma
-from .grid import grouped_program
-from .splits import split_count, sum_splits
+from .grid import grouped_program, tap_coords, voxel_coords
+from .splits import split_plan, sum_splits
 
 try:  # Triton >= 3.3 host-side descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -37,15 +37,10 @@ except ImportError:  # pragma: no cover - older Triton: the box kernels are simp
 
 
 @triton.jit
-def _box_origin(pid_m, tiles_d, tiles_h, tiles_w, BD: tl.constexpr, BH: tl.constexpr,
+def _box_origin(box, tiles_d, tiles_h, tiles_w, BD: tl.constexpr, BH: tl.constexpr,
                 BW: tl.constexpr):
-    """(n, d0, h0, w0) of box number pid_m (w fastest)."""
-    tw = pid_m % tiles_w
-    t = pid_m // tiles_w
-    th = t % tiles_h
-    t = t // tiles_h
-    td = t % tiles_d
-    n = t // tiles_d
+    """(n, d0, h0, w0) of box number `box` (w fastest)."""
+    n, td, th, tw = voxel_coords(box, tiles_d, tiles_h, tiles_w)
     return n, td * BD, th * BH, tw * BW
 
 
@@ -72,9 +67,7 @@ def _conv_box_kernel(
     for it in range(first, last):
         tap = it // blocks_c
         c0 = (it - tap * blocks_c) * BLOCK_K
-        kw = tap % KW
-        kh = (tap // KW) % KH
-        kd = tap // (KW * KH)
+        kd, kh, kw = tap_coords(tap, KH, KW)
         if MIRROR:
             a = x_desc.load([n, d0 + PD - kd * DD, h0 + PH - kh * DH, w0 + PW - kw * DW, c0])
             b = w_desc.load([c0, tap, n0]).reshape(BLOCK_K, BLOCK_N)
@@ -220,9 +213,8 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     programs = num_boxes * triton.cdiv(co, tile.block_n)
     iters = k[0] * k[1] * k[2] * triton.cdiv(c, tile.block_k)
     # Split only a launch of less than one wave: more tiles already keep every multiprocessor busy.
-    s = split_count(x.device, programs, iters, out.numel()) if programs < sm_count(x.device) else 1
-    per_split = triton.cdiv(iters, s)
-    s = triton.cdiv(iters, per_split)
+    s, per_split = (split_plan(x.device, programs, iters, out.numel())
+                    if programs < sm_count(x.device) else (1, iters))
     if s == 1:
         target, split_stride = out, 0
     else:  # fp32 partials [S, N, D, H, W, C], summed in order into a dense channels-last result
@@ -271,9 +263,7 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     num_boxes = n * tiles[0] * tiles[1] * tiles[2]
     tw = taps_per_program(kernel[2], tile)
     programs = triton.cdiv(r, tile.block_m) * triton.cdiv(c, tile.block_n) * (taps // tw)
-    s = split_count(g.device, programs, num_boxes, r * c * taps)
-    per_split = triton.cdiv(num_boxes, s)
-    s = triton.cdiv(num_boxes, per_split)
+    s, per_split = split_plan(g.device, programs, num_boxes, r * c * taps)
     partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
                                               dtype=torch.float32)
     _conv_box_wgrad_kernel[(programs, s)](

@@ -5,7 +5,7 @@ Algorithm: dW[r, q] = sum_m G[m, r] * X[gather(m, tap), c], fp32 accumulation, w
   r = one output channel of the conv                R = Cout
   q = (tap, input channel), q = tap*Cin + c         Q = taps*Cin
   gather(m, tap) = o*stride - pad + tap*dilation, masked to zero outside the input.
-The M reduction is cut into S contiguous chunks (S from `splits.split_count`, a pure function of the
+The M reduction is cut into S contiguous chunks (S from `splits.split_plan`, a pure function of the
 shape and the device); program (tile, s) writes the fp32 partial of chunk s to its own slot and
 `sum_splits` adds the slots in index order. With S = 1 the kernel stores the result directly.
 The [R, Q] result is the torch weight (R, Cin, kd, kh, kw) in channels_last_3d memory order.
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from .conv_fwd import dot_mode, mma
-from .grid import voxel_coords
-from .splits import split_count, sum_splits
+from .grid import tap_coords, voxel_coords
+from .splits import split_plan, sum_splits
 
 
 @triton.jit
@@ -56,9 +56,7 @@ def _conv_wgrad_kernel(
         c = (pid_q % blocks_c) * BLOCK_Q + tl.arange(0, BLOCK_Q)
         mask_q = c < C
         offs_q = tap * C + c
-    kw = tap % KW
-    kh = (tap // KW) % KH
-    kd = tap // (KW * KH)
+    kd, kh, kw = tap_coords(tap, KH, KW)
     x_col = c.to(tl.int64) * sxc
 
     acc = tl.zeros((BLOCK_R, BLOCK_Q), dtype=tl.float32)
@@ -114,10 +112,8 @@ def conv_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, kernel
     flat = c < 16
     blocks_r = triton.cdiv(r, tile.block_m)
     blocks_q = triton.cdiv(taps * c, tile.block_n) if flat else taps * triton.cdiv(c, tile.block_n)
-    steps = triton.cdiv(m, tile.block_k)
-    s = split_count(g.device, blocks_r * blocks_q, steps, r * c * taps)
-    chunk = triton.cdiv(steps, s) * tile.block_k
-    s = triton.cdiv(m, chunk)  # rounding the chunk up can leave the last split empty: drop it
+    s, per_split = split_plan(g.device, blocks_r * blocks_q, triton.cdiv(m, tile.block_k), r * c * taps)
+    chunk = per_split * tile.block_k
     partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
                                               dtype=torch.float32)
     _conv_wgrad_kernel[(blocks_r * blocks_q, s)](

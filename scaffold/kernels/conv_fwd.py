@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .grid import grouped_program, voxel_coords
+from .grid import grouped_program, tap_coords, voxel_coords
 
 
 @triton.jit
@@ -70,9 +70,7 @@ def _conv_gather_kernel(
             mask_k = offs_k < K
             c = offs_k % C
             tap = offs_k // C
-            kw = tap % KW
-            kh = (tap // KW) % KH
-            kd = tap // (KW * KH)
+            kd, kh, kw = tap_coords(tap, KH, KW)
             if TRANSPOSED:
                 nd = od[:, None] + PD - kd[None, :] * DD
                 nh = oh[:, None] + PH - kh[None, :] * DH
@@ -103,9 +101,7 @@ def _conv_gather_kernel(
         for it in range(0, KD * KH * KW * blocks_c):
             tap = it // blocks_c
             c0 = (it - tap * blocks_c) * BLOCK_K
-            kw = tap % KW
-            kh = (tap // KW) % KH
-            kd = tap // (KW * KH)
+            kd, kh, kw = tap_coords(tap, KH, KW)
             if TRANSPOSED:
                 nd = od + PD - kd * DD
                 nh = oh + PH - kh * DH

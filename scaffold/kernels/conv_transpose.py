@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .conv_fwd import dot_mode, mma
-from .grid import grouped_program, voxel_coords
+from .grid import grouped_program, tap_coords, voxel_coords
 
 
 @triton.jit
@@ -43,9 +43,7 @@ def _convT_scatter_kernel(
     nb, idd, ih, iw = voxel_coords(offs_m, ID, IH, IW)
     co = offs_j % CO
     tap = offs_j // CO
-    kw = tap % KW
-    kh = (tap // KW) % KH
-    kd = tap // (KW * KH)
+    kd, kh, kw = tap_coords(tap, KH, KW)
     x_row = (nb.to(tl.int64) * sxn + idd.to(tl.int64) * sxd + ih.to(tl.int64) * sxh
              + iw.to(tl.int64) * sxw)
     w_col = (co * swn + kd * swd + kh * swh + kw * sww).to(tl.int64)

@@ -2,7 +2,8 @@
 
 `grouped_program` maps a 1-D program id to a (row block, column block) pair so that GROUP_M consecutive
 row blocks sweep the same column blocks while those sit in L2. `voxel_coords` splits flat voxel indices
-of an (N, D, H, W) grid into their coordinates (W fastest, as NDHWC stores them).
+of an (N, D, H, W) grid into their coordinates (W fastest, as NDHWC stores them); `tap_coords` splits
+a kernel tap index into (kd, kh, kw) the same way.
 """
 from __future__ import annotations
 
@@ -30,3 +31,9 @@ def voxel_coords(offs, D, H, W):
     d = t % D
     n = t // D
     return n, d, h, w
+
+
+@triton.jit
+def tap_coords(tap, KH: tl.constexpr, KW: tl.constexpr):
+    """(kd, kh, kw) of flat tap indices over a (KD, KH, KW) kernel (kw fastest)."""
+    return tap // (KW * KH), (tap // KW) % KH, tap % KW

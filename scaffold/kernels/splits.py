@@ -24,6 +24,14 @@ def split_count(device: torch.device, tiles: int, steps: int, partial_elems: int
     return max(int(s), 1)
 
 
+def split_plan(device: torch.device, tiles: int, steps: int, partial_elems: int,
+               min_steps: int = 4) -> tuple[int, int]:
+    """(splits, steps per split) for `split_count`'s choice, with no empty split at the end (rounding
+    the per-split share up can leave the last one nothing to do: it is dropped)."""
+    per = triton.cdiv(steps, split_count(device, tiles, steps, partial_elems, min_steps))
+    return triton.cdiv(steps, per), per
+
+
 @triton.jit
 def _sum_splits_kernel(p_ptr, out_ptr, S, L, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
