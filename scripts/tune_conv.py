@@ -53,20 +53,29 @@ BOX = {
              Tile(128, 128, 64, 4, 4)],
     "tiny": [Tile(64, 128, 64, 4, 4), Tile(64, 64, 64, 4, 4), Tile(128, 64, 64, 4, 4),
              Tile(64, 128, 64, 4, 3), Tile(128, 128, 64, 4, 4)],
+    # the stem: forward over its folded 32 channels, backward-data into 3 channels padded to 16
+    "flat": [Tile(128, 64, 32, 4, 3), Tile(256, 64, 32, 8, 3), Tile(128, 64, 32, 4, 4),
+             Tile(64, 64, 32, 4, 4), Tile(256, 64, 32, 8, 4)],
+    "narrow": [Tile(128, 16, 64, 4, 3), Tile(256, 16, 64, 8, 3), Tile(128, 16, 64, 4, 4),
+               Tile(64, 16, 64, 4, 4), Tile(256, 16, 32, 4, 4)],
 }
 # Left out of every list: a 128 x 128 tile on 8 warps with 64-voxel steps, whose results differed
 # between calls at several shapes on an H200 (Triton 3.6); see tiles.py.
 BOXW = {
     "small": [Tile(64, 64, 128, 4, 3), Tile(64, 64, 128, 4, 3, 8, 3), Tile(64, 64, 128, 8, 3, 8, 3),
-              Tile(64, 128, 128, 8, 3)],
-    "wide": [Tile(128, 128, 128, 8, 3), Tile(128, 64, 128, 4, 3), Tile(128, 64, 128, 8, 3, 8, 3)],
+              Tile(64, 128, 128, 8, 3), Tile(64, 64, 64, 4, 3, 8, 3), Tile(64, 64, 64, 4, 4, 8, 3),
+              Tile(64, 128, 128, 8, 3, 8, 3), Tile(64, 128, 64, 8, 4, 8, 3)],
+    "wide": [Tile(128, 128, 128, 8, 3), Tile(128, 64, 128, 4, 3), Tile(128, 64, 128, 8, 3, 8, 3),
+             Tile(128, 64, 64, 8, 3, 8, 3), Tile(128, 64, 64, 8, 4, 8, 3), Tile(128, 64, 64, 4, 4)],
     "tiny": [Tile(128, 128, 128, 8, 3), Tile(64, 64, 128, 4, 3), Tile(128, 64, 64, 4, 3, 8, 3)],
+    "flat": [Tile(64, 32, 128, 4, 3), Tile(64, 32, 64, 4, 4), Tile(64, 32, 256, 8, 3),
+             Tile(64, 32, 128, 4, 4)],
 }
 
 
 def uses_box(site) -> bool:
     """Whether the launchers take the box kernels for this site (bf16, channels-last operands)."""
-    return site.kind == "conv" and site.cin % 8 == 0 and site.cout % 8 == 0
+    return site.kind == "conv" and site.cout % 8 == 0  # odd Cin (the stem): folded or padded
 
 
 def site_ops(site) -> dict:

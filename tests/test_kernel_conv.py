@@ -151,7 +151,7 @@ def test_bias_grad_many_splits_fixed_order():
     assert torch.equal(bias_grad(r, torch.float32), bias_grad(r, torch.float32))
 
 
-# --- box kernels (tensor-descriptor loads): stride 1, channels-last operands, channels % 8 == 0 ----
+# --- box kernels (tensor-descriptor loads): stride 1, channels-last operands, Cout % 8 == 0 ---------
 
 # (N, Cin, Cout, spatial, kernel, padding, dilation, bias, dtype)
 BOX_CASES = [
@@ -159,6 +159,11 @@ BOX_CASES = [
     pytest.param(1, 16, 8, (4, 6, 5), 3, 2, 2, False, torch.float32, id="box-dilation2-fp32"),
     pytest.param(1, 8, 24, (3, 5, 4), 1, 0, 1, True, torch.bfloat16, id="box-1x1x1-bf16"),
     pytest.param(1, 24, 16, (6, 5, 3), 3, 0, 1, False, torch.bfloat16, id="box-valid-bf16"),
+    # Cin not a multiple of 8: (kh, kw, ci) folded into channels (the stem), or Cin zero-padded
+    pytest.param(1, 3, 16, (5, 4, 6), 3, 1, 1, True, torch.float32, id="box-stem-fold-fp32"),
+    pytest.param(2, 3, 8, (4, 5, 3), 3, 2, 2, False, torch.bfloat16, id="box-stem-fold-dil2-bf16"),
+    pytest.param(1, 3, 8, (4, 5, 6), 3, 0, 1, False, torch.float32, id="box-stem-fold-valid"),
+    pytest.param(1, 12, 8, (4, 4, 5), 3, 1, 1, True, torch.float32, id="box-odd-cin-padded"),
 ]
 
 
@@ -228,8 +233,9 @@ def test_box_random_bf16_error_bound_and_repeat():
 
 
 def test_box_routing():
-    """What takes the box kernels: stride 1, channels-last operands of one dtype, channels % 8."""
-    from scaffold.kernels.conv_box import box_supported
+    """What takes the box kernels: stride 1, channels-last operands of one dtype, Cout % 8; which
+    odd input channel counts are folded into channels and which zero-padded."""
+    from scaffold.kernels.conv_box import box_supported, folds
 
     x = torch.zeros(1, 16, 4, 4, 4, device=DEV).contiguous(memory_format=CL)
     w = torch.zeros(8, 16, 3, 3, 3, device=DEV).contiguous(memory_format=CL)
@@ -242,6 +248,11 @@ def test_box_routing():
     assert not box_supported((xb, wb.contiguous()), w.shape, (1, 1, 1))  # weight not channels-last
     assert not box_supported((xb, wb), (6, 16, 3, 3, 3), (1, 1, 1))  # Cout 6: rows not 16-byte
     assert not box_supported((xb, w), w.shape, (1, 1, 1))  # mixed dtypes
+    x3 = torch.zeros(1, 3, 4, 4, 4, device=DEV, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    w3 = torch.zeros(8, 3, 3, 3, 3, device=DEV, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    assert box_supported((x3, w3), w3.shape, (1, 1, 1))  # the RGB stem: folded
+    assert folds(3, (3, 3, 3)) and folds(1, (5, 5, 5))  # KH·KW·Cin 27, 25: folded
+    assert not folds(12, (3, 3, 3)) and not folds(16, (3, 3, 3))  # 108: padded; 16: as is
 
 
 def test_box_split_loop_for_few_tiles():

@@ -6,9 +6,9 @@ back to fp32 master weights) and the op runs with autocast off, returning the au
 vendor op does. Outputs are channels_last_3d (NDHWC). Gradients come back in each input's dtype.
 fp32 operands multiply in IEEE fp32 (no tf32), so fp32 results match a float64 reference closely.
 
-Stride-1 convs on channels-last 16-bit tensors (every 3×3×3 site of the U-Net but the RGB stem)
-run on the box kernels (conv_box: tensor-descriptor loads of shifted voxel boxes); the rest on the
-gather kernels below.
+Stride-1 convs on channels-last 16-bit tensors with output channels divisible by 8 (every 3×3×3
+site of the U-Net, the RGB stem with its taps folded into channels) run on the box kernels
+(conv_box: tensor-descriptor loads of shifted voxel boxes); the rest on the gather kernels below.
 Backward passes:
   conv3d:           dx = transposed gather of dy (conv_fwd), dW = split-K GEMM (conv_bwd_weight),
                     db = split reduction (bias_grad)
@@ -21,7 +21,8 @@ import torch
 
 from .bias_grad import bias_grad
 from .common import triton_usable
-from .conv_box import box_supported, conv_box, conv_box_weight_grad
+from .conv_box import (box_operands, box_supported, conv_box, conv_box_weight_grad, pad_channels,
+                       round16)
 from .conv_bwd_weight import conv_weight_grad
 from .conv_fwd import conv_gather
 from .conv_transpose import conv_transpose_scatter
@@ -63,7 +64,8 @@ def conv3d_forward(x, w, bias, stride, padding, dilation, out=None):
         out = torch.empty((n, co, *osize), device=x.device, dtype=x.dtype, memory_format=_CL)
     if box_supported((x, w), w.shape, stride):
         tile = conv_tile(x.device, x.dtype, "box", ci, co, _taps(w), _voxels(out))
-        return conv_box(x, w, out, bias, padding, dilation, False, tile)
+        xb, wb, _, pb, db = box_operands(x, w, tuple(k), padding, dilation)
+        return conv_box(xb, wb, out, bias, pb, db, False, tile)
     tile = conv_tile(x.device, x.dtype, "gather", ci, co, _taps(w))
     # Forward: K-channel = Cin (weight dim 1), N-channel = Cout (weight dim 0).
     w_view = (w, w.stride(1), w.stride(0), *w.stride()[2:])
@@ -77,7 +79,8 @@ def conv3d_backward_data(dy, w, x_shape, stride, padding, dilation, out=None):
         out = torch.empty(x_shape, device=dy.device, dtype=dy.dtype, memory_format=_CL)
     if box_supported((dy, w), w.shape, stride):
         tile = conv_tile(dy.device, dy.dtype, "box", co, ci, _taps(w), _voxels(out))
-        return conv_box(dy, w, out, None, padding, dilation, True, tile)
+        wb = w if ci % 8 == 0 else pad_channels(w, round16(ci))  # dx masked to ci
+        return conv_box(dy, wb, out, None, padding, dilation, True, tile)
     tile = conv_tile(dy.device, dy.dtype, "gather", co, ci, _taps(w))
     w_view = (w, w.stride(0), w.stride(1), *w.stride()[2:])
     return conv_gather(dy, w_view, out, None, tuple(k), stride, padding, dilation, True, tile)
@@ -90,7 +93,8 @@ def conv3d_backward_weight(dy, x, w_shape, dtype, stride, padding, dilation, out
     co, ci, *k = w_shape
     if box_supported((dy, x), w_shape, stride):
         tile = conv_tile(dy.device, dy.dtype, "boxw", ci, co, k[0] * k[1] * k[2], _voxels(dy))
-        return conv_box_weight_grad(dy, x, out, tuple(k), padding, dilation, tile)
+        xb, _, kb, pb, db = box_operands(x, None, tuple(k), padding, dilation)
+        return conv_box_weight_grad(dy, xb, out, kb, pb, db, tile)
     tile = conv_tile(dy.device, dy.dtype, "wgrad", ci, co, k[0] * k[1] * k[2])
     return conv_weight_grad(dy, x, out, tuple(k), stride, padding, dilation, tile)
 

@@ -15,8 +15,17 @@ Outputs are written with ordinary masked stores (any strides). Where a launch ha
 fill the device (the 8³ and 16³ sites), the forward and backward-data split their (tap, channel)
 loop too: fp32 partials per split, added in index order by `sum_splits`.
 
+Narrow inputs. The copy engine needs rows of 16 bytes, so a conv whose input channels are not a
+multiple of 8 (the RGB stem) is rewritten before launch (`box_operands`). When KH·KW·Cin is small
+(≤ FOLD_MAX) its (kh, kw, ci) taps are folded into channels: x_fold[n, d, h, w, (kh·KW + kw)·Cin + ci]
+= x[n, ci, d, h + kh·dil − pad, w + kw·dil − pad] (zero outside, `_fold_hw_kernel`), zero-padded to a
+multiple of 16 channels, and the conv becomes a KD×1×1 one over x_fold (stem: 27 → 32 channels, 3 taps
+instead of 27 taps of 3 channels). The weight gradient of the folded conv, stored through the same
+masks, is bit for bit the layout of the real one ([Cout, kd, kh, kw, ci]), so no copy follows. Wider
+odd channel counts, and backward-data, zero-pad Cin instead. Every added term is an exact zero.
+
 Requirements (`box_supported`): CUDA device with tensor descriptors (or the interpreter), stride 1,
-x (or dy) channels-last dense, channel counts that are multiples of 8 (16-byte rows, what the copy
+x (or dy) channels-last dense, output channels a multiple of 8 (16-byte rows of dy, what the copy
 engine needs), and a channels-last weight.
 """
 from __future__ import annotations
@@ -190,7 +199,7 @@ def box_supported(tensors: tuple, w_shape, stride: tuple) -> bool:
         # 128-byte swizzled rows, so fp32 keeps the gather kernels on the GPU.
         if torch.cuda.get_device_capability(t0.device)[0] < 9 or t0.dtype == torch.float32:
             return False
-    if w_shape[0] % 8 or w_shape[1] % 8:
+    if w_shape[0] % 8:  # dy's rows; odd input channels are folded or padded (box_operands)
         return False
     return all(t.dtype == t0.dtype and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
                and t.is_contiguous(memory_format=torch.channels_last_3d) for t in tensors)
@@ -201,8 +210,8 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     """Forward (mirror=False: x is the input, out is y) or backward-data (mirror=True: x is dy,
     out is dx) of a stride-1 conv with weight w (Cout, Cin, kd, kh, kw), channels-last."""
     k = tuple(w.shape[2:])
-    co_w, ci_w = w.shape[:2]
-    c, co = (co_w, ci_w) if mirror else (ci_w, co_w)  # reduction channels, output channels
+    # reduction channels (the weight's, zero-padded ones included), output channels (out's)
+    c, co = w.shape[0 if mirror else 1], out.shape[1]
     bd, bh, bw = box_shape(tuple(out.shape[2:]), tile.block_m)
     x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, tile.block_k])
     w_block = [tile.block_k, 1, tile.block_n] if mirror else [tile.block_n, 1, tile.block_k]
@@ -254,8 +263,10 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     block_k = voxels per box, taps = kw taps per program (1-3)."""
     assert out.is_contiguous(memory_format=torch.channels_last_3d), "out must be channels_last_3d"
     n, r = g.shape[:2]
-    c = x.shape[1]
     taps = kernel[0] * kernel[1] * kernel[2]
+    # Input channels per tap as `out` stores them: x's, or fewer where x was zero-padded, or
+    # KH·KW·Cin for a folded x (box_operands); the masks keep the padding out of `out`.
+    c = out.numel() // (r * taps)
     bd, bh, bw = box_shape(tuple(g.shape[2:]), tile.block_k)
     g_desc = TensorDescriptor.from_tensor(_ndhwc(g), [1, bd, bh, bw, tile.block_m])
     x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, tile.block_n])
@@ -274,3 +285,93 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     if s > 1:
         sum_splits(partials, out.permute(0, 2, 3, 4, 1).view(-1))
     return out
+
+
+# --- narrow inputs: fold (kh, kw, ci) into channels, or zero-pad them -------------------------------
+
+FOLD_MAX = 64  # fold when KH·KW·Cin is at most this (the stem: 27)
+_CL = torch.channels_last_3d
+
+
+def round16(c: int) -> int:
+    return (c + 15) // 16 * 16
+
+
+def folds(cin: int, kernel: tuple) -> bool:
+    """Whether box_operands folds a conv of `cin` input channels and this kernel."""
+    return cin % 8 != 0 and kernel[1] * kernel[2] * cin <= FOLD_MAX
+
+
+def pad_channels(t: torch.Tensor, cp: int) -> torch.Tensor:
+    """t (N, C, ...) with zero channels appended up to cp, channels_last_3d (t itself if C == cp)."""
+    c = t.shape[1]
+    if c == cp:
+        return t
+    out = torch.empty((t.shape[0], cp, *t.shape[2:]), device=t.device, dtype=t.dtype,
+                      memory_format=_CL)
+    out[:, c:].zero_()
+    out[:, :c].copy_(t)
+    return out
+
+
+@triton.jit
+def _fold_hw_kernel(x_ptr, out_ptr, J, KP, D, HO, WO, H, W, total,
+                    sxn, sxc, sxd, sxh, sxw, PH, PW, DH, DW,
+                    CIN: tl.constexpr, KW: tl.constexpr,
+                    BLOCK_V: tl.constexpr, BLOCK_J: tl.constexpr):
+    v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    j = tl.arange(0, BLOCK_J)
+    n, d, oh, ow = voxel_coords(v, D, HO, WO)
+    kh, kw, ci = tap_coords(j, KW, CIN)  # j = (kh·KW + kw)·CIN + ci
+    ih = oh[:, None] + (kh * DH - PH)[None, :]
+    iw = ow[:, None] + (kw * DW - PW)[None, :]
+    live = (v < total)[:, None]
+    ok = live & (j < J)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    src = ((n.to(tl.int64) * sxn + d.to(tl.int64) * sxd)[:, None] + ci[None, :].to(tl.int64) * sxc
+           + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw)
+    val = tl.load(x_ptr + src, mask=ok, other=0.0)
+    tl.store(out_ptr + v.to(tl.int64)[:, None] * KP + j[None, :], val, mask=live & (j < KP)[None, :])
+
+
+def fold_input(x: torch.Tensor, kernel: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
+    """x_fold (N, KP, D, Ho, Wo), channels_last_3d: the (kh, kw, ci) taps of x as channels, zero
+    beyond KH·KW·Cin (KP: that, rounded up to 16). x may have any strides."""
+    n, cin, d, h, w = x.shape
+    ho = h + 2 * padding[1] - dilation[1] * (kernel[1] - 1)
+    wo = w + 2 * padding[2] - dilation[2] * (kernel[2] - 1)
+    j = kernel[1] * kernel[2] * cin
+    kp = round16(j)
+    out = torch.empty((n, kp, d, ho, wo), device=x.device, dtype=x.dtype, memory_format=_CL)
+    total = n * d * ho * wo
+    block_v = 128 if x.is_cuda else 32
+    _fold_hw_kernel[(triton.cdiv(total, block_v),)](
+        x, out, j, kp, d, ho, wo, h, w, total, *x.stride(), padding[1], padding[2],
+        dilation[1], dilation[2], CIN=cin, KW=kernel[2],
+        BLOCK_V=block_v, BLOCK_J=triton.next_power_of_2(kp))
+    return out
+
+
+def fold_weight(w: torch.Tensor) -> torch.Tensor:
+    """The weight of the folded conv: (Cout, KP, KD, 1, 1), channels_last_3d, zero beyond KH·KW·Cin."""
+    co, cin, kd, kh, kw = w.shape
+    taps = w.permute(0, 2, 3, 4, 1).reshape(co, kd, kh * kw * cin)  # [co, kd, (kh, kw, ci)]
+    kp = round16(kh * kw * cin)
+    out = torch.zeros((co, kd, 1, 1, kp), device=w.device, dtype=w.dtype)
+    out[..., 0, 0, : kh * kw * cin] = taps
+    return out.permute(0, 4, 1, 2, 3)
+
+
+def box_operands(x, w, kernel: tuple, padding: tuple, dilation: tuple):
+    """(x, w, kernel, padding, dilation) of the conv the box kernels run for input x (w may be None,
+    for the weight gradient): as given when Cin is a multiple of 8, else folded (`folds`) or with
+    Cin zero-padded to a multiple of 16. The result is the same conv: every added term is zero."""
+    cin = x.shape[1]
+    if cin % 8 == 0:
+        return x, w, kernel, padding, dilation
+    if folds(cin, kernel):
+        xf = fold_input(x, kernel, padding, dilation)
+        wf = None if w is None else fold_weight(w)
+        return (xf, wf, (kernel[0], 1, 1), (padding[0], 0, 0), (dilation[0], 1, 1))
+    cp = round16(cin)
+    return (pad_channels(x, cp), None if w is None else pad_channels(w, cp), kernel, padding,
+            dilation)

@@ -82,8 +82,14 @@ def heuristic_tile(arch: str, dtype: torch.dtype, op: str, cls: str) -> Tile:
     wide = dtype != torch.float32
     bk = 64 if wide else 32
     if op == "boxw":  # block_m: Cout, block_n: Cin, block_k: voxels per box
+        if cls == "flat":  # the folded stem: 32 channels of (kh, kw, ci) per voxel
+            return Tile(64, 32, 128, num_warps=4, num_stages=3)
         return Tile(128, 64, 128, num_warps=4, num_stages=3)
     if op == "box":
+        if cls == "flat":  # the folded stem's forward: K steps of its 32 channels
+            return Tile(128, 64, 32, num_warps=4, num_stages=3)
+        if cls == "narrow":  # few output channels (the stem's backward-data, padded to 16)
+            return Tile(128, 16, bk, num_warps=4, num_stages=3)
         if cls == "small":
             return Tile(128, 64, bk, num_warps=4, num_stages=4)
         return Tile(256, 128, bk, num_warps=8, num_stages=3)
