@@ -286,3 +286,23 @@ def test_box_split_loop_for_few_tiles():
         assert all(g[1] > 1 for g in launches), launches  # the split path ran
     assert torch.equal(y.double().cpu(), refs[0]) and torch.equal(y2, y)
     assert torch.equal(dx.double().cpu(), refs[1])
+
+
+def test_wave_split_plan_fills_whole_waves(monkeypatch):
+    """The backward-weight split count: whole waves where the reduction is long (the fill-twice rule
+    gave 270 programs on 132 multiprocessors: a third, nearly empty wave), no split where the tiles
+    alone make many waves or where the fp32 partials would cost more than the waves save."""
+    from scaffold.kernels import splits
+
+    monkeypatch.setattr(splits, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    flops = 2 * 128 * 64 * 64 * 3  # one 128-voxel box, 64 × 64 channels, 3 taps
+    old, _ = splits.split_plan(cpu, 9, 16384, 64 * 64 * 27)
+    assert 9 * old == 270  # 2.05 waves
+    for per_sm in (1, 2, 3):
+        s, per = splits.wave_split_plan(cpu, 9, 16384, 64 * 64 * 27, flops, per_sm)
+        slots = 132 * per_sm
+        assert 9 * s / (-(-9 * s // slots) * slots) >= 0.95, (per_sm, s)  # waves ≥ 95% full
+        assert s * per >= 16384 > (s - 1) * per  # every split has work
+    assert splits.wave_split_plan(cpu, 1152, 8, 1024 * 1024 * 27, flops, 1) == (1, 8)
+    assert splits.wave_split_plan(cpu, 288, 64, 512 * 512 * 27, flops, 1) == (1, 64)

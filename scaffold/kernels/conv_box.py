@@ -37,7 +37,7 @@ import triton.language as tl
 from .common import sm_count
 from .conv_fwd import dot_mode, mma
 from .grid import grouped_program, tap_coords, voxel_coords
-from .splits import split_plan, sum_splits
+from .splits import split_plan, sum_splits, wave_split_plan
 
 try:  # Triton >= 3.3 host-side descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -248,6 +248,16 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     return out
 
 
+def wgrad_programs_per_sm(tile, tw: int, elem: int) -> int:
+    """Backward-weight programs one multiprocessor holds at once (Hopper: 228 KiB of shared memory,
+    1 KiB reserved per block; 64 K registers), estimated from the tile: its pipeline stages of one
+    dy box and tw x boxes, and its tw fp32 accumulators plus ~64 registers a thread."""
+    smem = tile.num_stages * tile.block_k * (tile.block_m + tw * tile.block_n) * elem + 1024
+    threads = tile.num_warps * 32
+    regs = threads * (tile.block_m * tile.block_n * tw // threads + 64)
+    return max(1, min(228 * 1024 // smem, 65536 // regs))
+
+
 def taps_per_program(kw: int, tile) -> int:
     """kw taps one wgrad program owns: the tile's (1-3) where it divides the kernel's kw."""
     t = max(1, min(3, tile.taps))
@@ -274,7 +284,9 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     num_boxes = n * tiles[0] * tiles[1] * tiles[2]
     tw = taps_per_program(kernel[2], tile)
     programs = triton.cdiv(r, tile.block_m) * triton.cdiv(c, tile.block_n) * (taps // tw)
-    s, per_split = split_plan(g.device, programs, num_boxes, r * c * taps)
+    step_flops = 2 * tile.block_k * tile.block_m * tile.block_n * tw  # one box, one program
+    s, per_split = wave_split_plan(g.device, programs, num_boxes, r * c * taps, step_flops,
+                                   wgrad_programs_per_sm(tile, tw, g.element_size()))
     partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
                                               dtype=torch.float32)
     _conv_box_wgrad_kernel[(programs, s)](
