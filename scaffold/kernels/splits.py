@@ -7,6 +7,8 @@ function of the shape and the device's multiprocessor count.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,20 +50,32 @@ def wave_split_plan(device: torch.device, tiles: int, steps: int, partial_elems:
     fill-the-device-twice rule misses: 270 programs of one per multiprocessor on 132 are three
     waves, the last nearly empty. Ties go to fewer splits; caps as in `split_count`. A pure function
     of its arguments and the device's multiprocessor count."""
-    slots = sm_count(device) * max(per_sm, 1)
-    tiles = max(tiles, 1)
+    return _wave_split_plan(sm_count(device) * max(per_sm, 1), max(tiles, 1), steps, partial_elems,
+                            step_flops, min_steps, max_bytes)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _wave_split_plan(slots: int, tiles: int, steps: int, partial_elems: int, step_flops: float,
+                     min_steps: int, max_bytes: int) -> tuple[int, int]:
     s_max = min(max(steps // min_steps, 1), max(max_bytes // (4 * max(partial_elems, 1)), 1))
+    # Within one wave count the largest S is best (shorter programs, same waves): the candidates
+    # are S = 1, s_max, and the largest S of each wave count.
+    cands = {1, s_max} | {w * slots // tiles for w in range(1, s_max * tiles // slots + 2)}
     best, best_cost = 1, None
-    for s in range(1, s_max + 1):
-        per = triton.cdiv(steps, s)
-        waves = triton.cdiv(tiles * triton.cdiv(steps, per), slots)
+    for s in sorted(c for c in cands if 1 <= c <= s_max):
+        per = _cdiv(steps, s)
+        waves = _cdiv(tiles * _cdiv(steps, per), slots)
         cost = waves * per * step_flops / SM_FLOPS
         if s > 1:
             cost += s * partial_elems * 8 / PARTIAL_BYTES_PER_S
         if best_cost is None or cost < best_cost * (1 - 1e-9):
             best, best_cost = s, cost
-    per = triton.cdiv(steps, best)
-    return triton.cdiv(steps, per), per
+    per = _cdiv(steps, best)
+    return _cdiv(steps, per), per
 
 
 @triton.jit
