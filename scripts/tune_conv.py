@@ -86,6 +86,11 @@ def site_ops(site) -> dict:
         return {"fwd": ("box", shape_class(site.cin, site.cout, taps, v)),
                 "bwd_data": ("box", shape_class(site.cout, site.cin, taps, v)),
                 "bwd_weight": ("boxw", shape_class(site.cin, site.cout, taps, v))}
+    if site.kind == "convT" and site.cin % 8 == 0 and site.cout % 16 == 0:  # backward on box
+        v = site.edge ** 3  # input voxels: the backward passes' boxes
+        return {"fwd": ("convT", shape_class(site.cin, site.cout, taps)),
+                "bwd_data": ("box", shape_class(site.cout, site.cin, taps, v)),
+                "bwd_weight": ("boxw", shape_class(site.cout, site.cin, taps, v))}
     if site.kind == "convT":
         return {"fwd": ("convT", shape_class(site.cin, site.cout, taps)),
                 "bwd_data": ("gather", shape_class(site.cout, site.cin, taps)),

@@ -232,10 +232,35 @@ def test_box_random_bf16_error_bound_and_repeat():
         assert rel_err(g1, r) < 1e-2, f"box {name}: relative error {rel_err(g1, r):.2e}"
 
 
+@pytest.mark.parametrize("n,cin,cout,size,dtype", [
+    pytest.param(1, 8, 16, (3, 4, 5), torch.float32, id="T-prime-fp32"),
+    pytest.param(2, 16, 32, (2, 3, 4), torch.bfloat16, id="T-batch2-bf16"),
+    pytest.param(1, 24, 16, (5, 2, 8), torch.float32, id="T-flat-plane"),
+])
+def test_conv_transpose_box_backward_small_integers_bitwise(n, cin, cout, size, dtype):
+    """Transposed conv (kernel = stride = 2) backward passes on the box kernels, each tap a box of
+    dy's subsampled view: dx (into an NCDHW buffer) and dW equal the float64 reference exactly;
+    dy's taps meet their weight rows, not a neighbouring tap's channels."""
+    from scaffold.kernels.conv_box import transposed_box_supported
+
+    gen = torch.Generator().manual_seed(17 + cin)
+    x, w = ints(gen, n, cin, *size), ints(gen, cin, cout, 2, 2, 2)
+    dy = ints(gen, n, cout, *(2 * e for e in size))
+    refs = conv_transpose3d_ref(x, w, None, 2, grad_out=dy)
+    xd, wd, dyd = cl_all(dtype, x, w, dy)
+    if DEV.type == "cpu" or dtype != torch.float32:
+        assert transposed_box_supported((dyd, wd), wd.shape)
+    dx = K.conv_transpose3d_backward_data(dyd, wd, x.shape,
+                                          out=poisoned(x.shape, dtype, channels_last=False))
+    dw = K.conv_transpose3d_backward_weight(dyd, xd, w.shape, dtype, out=poisoned(w.shape, dtype))
+    assert torch.equal(dx.double().cpu(), refs[1].to(dtype).double())
+    assert torch.equal(dw.double().cpu(), refs[2].to(dtype).double())
+
+
 def test_box_routing():
     """What takes the box kernels: stride 1, channels-last operands of one dtype, Cout % 8; which
     odd input channel counts are folded into channels and which zero-padded."""
-    from scaffold.kernels.conv_box import box_supported, folds
+    from scaffold.kernels.conv_box import box_supported, folds, transposed_box_supported
 
     x = torch.zeros(1, 16, 4, 4, 4, device=DEV).contiguous(memory_format=CL)
     w = torch.zeros(8, 16, 3, 3, 3, device=DEV).contiguous(memory_format=CL)
@@ -253,6 +278,13 @@ def test_box_routing():
     assert box_supported((x3, w3), w3.shape, (1, 1, 1))  # the RGB stem: folded
     assert folds(3, (3, 3, 3)) and folds(1, (5, 5, 5))  # KH·KW·Cin 27, 25: folded
     assert not folds(12, (3, 3, 3)) and not folds(16, (3, 3, 3))  # 108: padded; 16: as is
+    dy = torch.zeros(1, 32, 8, 8, 8, device=DEV, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    wt = torch.zeros(16, 32, 2, 2, 2, device=DEV, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    assert transposed_box_supported((dy, wt), wt.shape)  # transposed conv backward: box kernels
+    assert not transposed_box_supported((dy, wt), (16, 8, 2, 2, 2))  # Cout 8: not a multiple of 16
+    assert not transposed_box_supported((dy, wt), (12, 32, 2, 2, 2))  # Cin 12
+    dy2 = torch.zeros(1, 32, 8, 2, 2, device=DEV, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    assert not transposed_box_supported((dy2, wt), wt.shape)  # 1×1 input planes: boxes under 16
 
 
 def test_box_split_loop_for_few_tiles():

@@ -22,7 +22,7 @@ import torch
 from .bias_grad import bias_grad
 from .common import triton_usable
 from .conv_box import (box_operands, box_supported, conv_box, conv_box_weight_grad, pad_channels,
-                       round16)
+                       round16, transposed_box_supported)
 from .conv_bwd_weight import conv_weight_grad
 from .conv_fwd import conv_gather
 from .conv_transpose import conv_transpose_scatter
@@ -116,6 +116,9 @@ def conv_transpose3d_backward_data(dy, w, x_shape, out=None):
     ci, co, *k = w.shape
     if out is None:
         out = torch.empty(x_shape, device=dy.device, dtype=dy.dtype, memory_format=_CL)
+    if transposed_box_supported((dy, w), w.shape):
+        tile = conv_tile(dy.device, dy.dtype, "box", co, ci, _taps(w), _voxels(out))
+        return conv_box(dy, w, out, None, (0, 0, 0), (1, 1, 1), False, tile, sub=True)
     tile = conv_tile(dy.device, dy.dtype, "gather", co, ci, _taps(w))
     w_view = (w, w.stride(1), w.stride(0), *w.stride()[2:])
     k = tuple(k)
@@ -128,6 +131,9 @@ def conv_transpose3d_backward_weight(dy, x, w_shape, dtype, out=None):
         out = torch.empty(w_shape, device=dy.device, dtype=dtype, memory_format=_CL)
     ci, co, *k = w_shape
     k = tuple(k)
+    if transposed_box_supported((dy, x), w_shape):  # rows: Cin (x), columns: Cout (dy)
+        tile = conv_tile(dy.device, dy.dtype, "boxw", co, ci, k[0] * k[1] * k[2], _voxels(x))
+        return conv_box_weight_grad(x, dy, out, k, (0, 0, 0), (1, 1, 1), tile, sub=True)
     tile = conv_tile(dy.device, dy.dtype, "wgrad", co, ci, k[0] * k[1] * k[2])
     return conv_weight_grad(x, dy, out, k, k, (0, 0, 0), (1, 1, 1), tile)
 

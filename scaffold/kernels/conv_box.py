@@ -60,8 +60,8 @@ def _conv_box_kernel(
     sys, syn, syc, syd, syh, syw,
     PD, PH, PW, DD, DH, DW,
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    MIRROR: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+    MIRROR: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BD * BH * BW
@@ -77,7 +77,10 @@ def _conv_box_kernel(
         tap = it // blocks_c
         c0 = (it - tap * blocks_c) * BLOCK_K
         kd, kh, kw = tap_coords(tap, KH, KW)
-        if MIRROR:
+        if SUB:  # dy of a transposed conv, kernel = stride, through its subsampled view (BD = 1)
+            a = x_desc.load([(n * D + d0) * KD + kd, h0, kh, w0, kw * C + c0])
+            b = tl.trans(w_desc.load([n0, tap, c0]).reshape(BLOCK_N, BLOCK_K))
+        elif MIRROR:
             a = x_desc.load([n, d0 + PD - kd * DD, h0 + PH - kh * DH, w0 + PW - kw * DW, c0])
             b = w_desc.load([c0, tap, n0]).reshape(BLOCK_K, BLOCK_N)
         else:
@@ -112,9 +115,9 @@ def _wgrad_store(p_ptr, acc, split, tap, offs_r, offs_c, R, C, Q):
 @triton.jit
 def _conv_box_wgrad_kernel(
     g_desc, x_desc, p_ptr,
-    R, C, tiles_d, tiles_h, tiles_w, num_boxes, boxes_per_split,
+    R, C, D, tiles_d, tiles_h, tiles_w, num_boxes, boxes_per_split,
     PD, PH, PW, DD, DH, DW,
-    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, TW: tl.constexpr,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, TW: tl.constexpr, SUB: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -143,16 +146,27 @@ def _conv_box_wgrad_kernel(
     for box in range(first, last):
         n, d0, h0, w0 = _box_origin(box, tiles_d, tiles_h, tiles_w, BD, BH, BW)
         gt = tl.trans(g_desc.load([n, d0, h0, w0, r0]).reshape(BLOCK_M, BLOCK_R))
-        xd = d0 - PD + kd * DD
-        xh = h0 - PH + kh * DH
-        xw = w0 - PW + kw0 * DW
-        xg = x_desc.load([n, xd, xh, xw, c0]).reshape(BLOCK_M, BLOCK_Q)
+        if SUB:  # x is dy of a transposed conv, kernel = stride: its subsampled view (BD = 1);
+            # the kw tap moves along the view's channel dim, C channels per tap
+            xd = (n * D + d0) * KD + kd
+            xg = x_desc.load([xd, h0, kh, w0, kw0 * C + c0]).reshape(BLOCK_M, BLOCK_Q)
+        else:
+            xd = d0 - PD + kd * DD
+            xh = h0 - PH + kh * DH
+            xw = w0 - PW + kw0 * DW
+            xg = x_desc.load([n, xd, xh, xw, c0]).reshape(BLOCK_M, BLOCK_Q)
         acc0 = mma(gt, xg, acc0, PRECISION, UPCAST)
         if TW > 1:
-            xg = x_desc.load([n, xd, xh, xw + DW, c0]).reshape(BLOCK_M, BLOCK_Q)
+            if SUB:
+                xg = x_desc.load([xd, h0, kh, w0, (kw0 + 1) * C + c0]).reshape(BLOCK_M, BLOCK_Q)
+            else:
+                xg = x_desc.load([n, xd, xh, xw + DW, c0]).reshape(BLOCK_M, BLOCK_Q)
             acc1 = mma(gt, xg, acc1, PRECISION, UPCAST)
         if TW > 2:
-            xg = x_desc.load([n, xd, xh, xw + 2 * DW, c0]).reshape(BLOCK_M, BLOCK_Q)
+            if SUB:
+                xg = x_desc.load([xd, h0, kh, w0, (kw0 + 2) * C + c0]).reshape(BLOCK_M, BLOCK_Q)
+            else:
+                xg = x_desc.load([n, xd, xh, xw + 2 * DW, c0]).reshape(BLOCK_M, BLOCK_Q)
             acc2 = mma(gt, xg, acc2, PRECISION, UPCAST)
 
     offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -177,6 +191,32 @@ def box_shape(size: tuple, block_m: int) -> tuple:
     return bd, bh, bw
 
 
+def flat_box_shape(size: tuple, block_m: int) -> tuple:
+    """(1, BH, BW): box_shape's box within one (d) plane, for the subsampled view, whose first dim
+    runs over (n, d, kd) together and so takes one d per box."""
+    h, w = size[1:]
+    bw = min(triton.next_power_of_2(w), block_m)
+    return 1, min(triton.next_power_of_2(h), block_m // bw), bw
+
+
+def sub_block_k(c: int, block: int) -> int:
+    """Channels per step through the subsampled view: at most `block` and dividing c, so a step
+    never runs into the next tap's channels (the view's last dim holds kw·C + c)."""
+    return min(block, c & -c)
+
+
+def subsampled_desc(dy: torch.Tensor, kernel: tuple, block: list):
+    """dy (N, C, D, H, W) of a transposed conv with kernel = stride = (kd, kh, kw), channels-last,
+    as a descriptor over the 5-D view [N·D, H/kh, kh, W/kw, kw·C]: element
+    [(n·D/kd + d')·kd + a, h', b, w', c·C + co] is dy[n, co, d'·kd + a, h'·kh + b, w'·kw + c],
+    so one box of it is the tap (a, b, c) of a box of input voxels."""
+    n, c, d, h, w = dy.shape
+    kd, kh, kw = kernel
+    view = dy.as_strided((n * d, h // kh, kh, w // kw, kw * c),
+                         (h * w * c, kh * w * c, w * c, kw * c, 1))
+    return TensorDescriptor.from_tensor(view, block)
+
+
 def _ndhwc(t: torch.Tensor) -> torch.Tensor:
     """The [N, D, H, W, C] view of a channels-last NCDHW tensor (no copy)."""
     return t.permute(0, 2, 3, 4, 1)
@@ -191,7 +231,26 @@ def _taps_view(w: torch.Tensor) -> torch.Tensor:
 def box_supported(tensors: tuple, w_shape, stride: tuple) -> bool:
     """Whether the box kernels take a stride-1 conv of weight shape w_shape whose operands (x, w,
     dy: what the direction reads) are `tensors`. A pure function of device, dtype, layout, shape."""
-    if TensorDescriptor is None or tuple(stride) != (1, 1, 1):
+    if tuple(stride) != (1, 1, 1) or w_shape[0] % 8:  # dy's rows; odd Cin: box_operands
+        return False
+    return _descriptor_operands(tensors)
+
+
+def transposed_box_supported(tensors: tuple, w_shape) -> bool:
+    """Whether the box kernels take a backward pass of a transposed conv with kernel = stride
+    (weight (Cin, Cout, k…)) whose operands are `tensors`, dy first: Cin a multiple of 8, Cout of 16
+    (a step through dy's subsampled view stays within one tap), at least 16 input voxels per (d)
+    plane (the box is one plane). A pure function of device, dtype, layout, shape."""
+    cin, cout, _, kh, kw = w_shape
+    dy = tensors[0]
+    plane = (triton.next_power_of_2(dy.shape[3] // kh) * triton.next_power_of_2(dy.shape[4] // kw))
+    return cin % 8 == 0 and cout % 16 == 0 and plane >= 16 and _descriptor_operands(tensors)
+
+
+def _descriptor_operands(tensors: tuple) -> bool:
+    """Tensor descriptors here (Hopper, or the interpreter) and operands they can read: one dtype,
+    16-bit on the GPU, channels-last dense."""
+    if TensorDescriptor is None:
         return False
     t0 = tensors[0]
     if t0.is_cuda:
@@ -199,28 +258,36 @@ def box_supported(tensors: tuple, w_shape, stride: tuple) -> bool:
         # 128-byte swizzled rows, so fp32 keeps the gather kernels on the GPU.
         if torch.cuda.get_device_capability(t0.device)[0] < 9 or t0.dtype == torch.float32:
             return False
-    if w_shape[0] % 8:  # dy's rows; odd input channels are folded or padded (box_operands)
-        return False
     return all(t.dtype == t0.dtype and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
                and t.is_contiguous(memory_format=torch.channels_last_3d) for t in tensors)
 
 
 def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding: tuple,
-             dilation: tuple, mirror: bool, tile, allow_tf32: bool = False) -> torch.Tensor:
+             dilation: tuple, mirror: bool, tile, allow_tf32: bool = False,
+             sub: bool = False) -> torch.Tensor:
     """Forward (mirror=False: x is the input, out is y) or backward-data (mirror=True: x is dy,
-    out is dx) of a stride-1 conv with weight w (Cout, Cin, kd, kh, kw), channels-last."""
+    out is dx) of a stride-1 conv with weight w (Cout, Cin, kd, kh, kw), channels-last.
+    sub=True: backward-data of a transposed conv with kernel = stride (x is its dy, w its weight
+    (Cin, Cout, k…), out is dx), each tap a box of dy's subsampled view (`subsampled_desc`)."""
     k = tuple(w.shape[2:])
     # reduction channels (the weight's, zero-padded ones included), output channels (out's)
     c, co = w.shape[0 if mirror else 1], out.shape[1]
-    bd, bh, bw = box_shape(tuple(out.shape[2:]), tile.block_m)
-    x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, tile.block_k])
-    w_block = [tile.block_k, 1, tile.block_n] if mirror else [tile.block_n, 1, tile.block_k]
+    if sub:
+        c = w.shape[1]
+        bd, bh, bw = flat_box_shape(tuple(out.shape[2:]), tile.block_m)
+        block_k = sub_block_k(c, tile.block_k)
+        x_desc = subsampled_desc(x, k, [1, bh, 1, bw, block_k])
+    else:
+        bd, bh, bw = box_shape(tuple(out.shape[2:]), tile.block_m)
+        block_k = tile.block_k
+        x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, block_k])
+    w_block = [block_k, 1, tile.block_n] if mirror else [tile.block_n, 1, block_k]
     w_desc = TensorDescriptor.from_tensor(_taps_view(w), w_block)
     n, _, d, h, wd = out.shape
     tiles = (triton.cdiv(d, bd), triton.cdiv(h, bh), triton.cdiv(wd, bw))
     num_boxes = n * tiles[0] * tiles[1] * tiles[2]
     programs = num_boxes * triton.cdiv(co, tile.block_n)
-    iters = k[0] * k[1] * k[2] * triton.cdiv(c, tile.block_k)
+    iters = k[0] * k[1] * k[2] * triton.cdiv(c, block_k)
     # Split only a launch of less than one wave: more tiles already keep every multiprocessor busy.
     s, per_split = (split_plan(x.device, programs, iters, out.numel())
                     if programs < sm_count(x.device) else (1, iters))
@@ -234,8 +301,8 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
         x_desc, w_desc, bias if bias is not None else w, target,
         c, co, d, h, wd, *tiles, num_boxes, per_split, split_stride, *target.stride()[-5:],
         *padding, *dilation, *k,
-        MIRROR=mirror, HAS_BIAS=bias is not None, **dot_mode(x, allow_tf32),
-        BD=bd, BH=bh, BW=bw, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        MIRROR=mirror, SUB=sub, HAS_BIAS=bias is not None, **dot_mode(x, allow_tf32),
+        BD=bd, BH=bh, BW=bw, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if s > 1:
@@ -266,8 +333,10 @@ def taps_per_program(kw: int, tile) -> int:
 
 def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, kernel: tuple,
                          padding: tuple, dilation: tuple, tile,
-                         allow_tf32: bool = False) -> torch.Tensor:
+                         allow_tf32: bool = False, sub: bool = False) -> torch.Tensor:
     """dW (R, C, kd, kh, kw), channels_last_3d, of the stride-1 conv x -> g (g: output gradient).
+    sub=True: dW (Cin, Cout, k…) of a transposed conv with kernel = stride, g its input x and x its
+    dy (read through the subsampled view, `subsampled_desc`), padding 0, dilation 1.
 
     Tile fields: block_m = output channels R per program, block_n = input channels C per program,
     block_k = voxels per box, taps = kw taps per program (1-3)."""
@@ -277,21 +346,28 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     # Input channels per tap as `out` stores them: x's, or fewer where x was zero-padded, or
     # KH·KW·Cin for a folded x (box_operands); the masks keep the padding out of `out`.
     c = out.numel() // (r * taps)
-    bd, bh, bw = box_shape(tuple(g.shape[2:]), tile.block_k)
+    if sub:
+        bd, bh, bw = flat_box_shape(tuple(g.shape[2:]), tile.block_k)
+        block_q = sub_block_k(c, tile.block_n)
+        x_desc = subsampled_desc(x, kernel, [1, bh, 1, bw, block_q])
+    else:
+        bd, bh, bw = box_shape(tuple(g.shape[2:]), tile.block_k)
+        block_q = tile.block_n
+        x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, block_q])
     g_desc = TensorDescriptor.from_tensor(_ndhwc(g), [1, bd, bh, bw, tile.block_m])
-    x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, tile.block_n])
     tiles = (triton.cdiv(g.shape[2], bd), triton.cdiv(g.shape[3], bh), triton.cdiv(g.shape[4], bw))
     num_boxes = n * tiles[0] * tiles[1] * tiles[2]
     tw = taps_per_program(kernel[2], tile)
-    programs = triton.cdiv(r, tile.block_m) * triton.cdiv(c, tile.block_n) * (taps // tw)
-    step_flops = 2 * tile.block_k * tile.block_m * tile.block_n * tw  # one box, one program
+    programs = triton.cdiv(r, tile.block_m) * triton.cdiv(c, block_q) * (taps // tw)
+    step_flops = 2 * bd * bh * bw * tile.block_m * block_q * tw  # one box, one program
     s, per_split = wave_split_plan(g.device, programs, num_boxes, r * c * taps, step_flops,
                                    wgrad_programs_per_sm(tile, tw, g.element_size()))
     partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
                                               dtype=torch.float32)
     _conv_box_wgrad_kernel[(programs, s)](
-        g_desc, x_desc, partials, r, c, *tiles, num_boxes, per_split, *padding, *dilation, *kernel,
-        TW=tw, **dot_mode(x, allow_tf32), BD=bd, BH=bh, BW=bw, BLOCK_R=tile.block_m, BLOCK_Q=tile.block_n,
+        g_desc, x_desc, partials, r, c, g.shape[2], *tiles, num_boxes, per_split, *padding,
+        *dilation, *kernel, TW=tw, SUB=sub, **dot_mode(x, allow_tf32), BD=bd, BH=bh, BW=bw,
+        BLOCK_R=tile.block_m, BLOCK_Q=block_q,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if s > 1:
