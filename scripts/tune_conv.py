@@ -25,6 +25,7 @@ from scaffold.bench.conv import (_first, distinct_sites, model_sites, site_tenso
                                  triton_calls)
 from scaffold.kernels import tiles
 from scaffold.kernels.common import arch_key
+from scaffold.kernels.conv_box import TRANSPOSED_BOX_MIN_VOXELS
 from scaffold.kernels.tiles import Tile, dtype_key, shape_class
 
 CANDIDATES = {
@@ -68,6 +69,8 @@ BOXW = {
     "wide": [Tile(128, 128, 128, 8, 3), Tile(128, 64, 128, 4, 3), Tile(128, 64, 128, 8, 3, 8, 3),
              Tile(128, 64, 64, 8, 3, 8, 3), Tile(128, 64, 64, 8, 4, 8, 3), Tile(128, 64, 64, 4, 4)],
     "tiny": [Tile(128, 128, 128, 8, 3), Tile(64, 64, 128, 4, 3), Tile(128, 64, 64, 4, 3, 8, 3)],
+    "narrow": [Tile(16, 64, 128, 4, 3), Tile(16, 64, 256, 4, 3), Tile(16, 64, 128, 4, 4),
+               Tile(16, 64, 64, 4, 4)],
     "flat": [Tile(64, 32, 128, 4, 3), Tile(64, 32, 64, 4, 4), Tile(64, 32, 256, 8, 3),
              Tile(64, 32, 128, 4, 4)],
 }
@@ -86,7 +89,8 @@ def site_ops(site) -> dict:
         return {"fwd": ("box", shape_class(site.cin, site.cout, taps, v)),
                 "bwd_data": ("box", shape_class(site.cout, site.cin, taps, v)),
                 "bwd_weight": ("boxw", shape_class(site.cin, site.cout, taps, v))}
-    if site.kind == "convT" and site.cin % 8 == 0 and site.cout % 16 == 0:  # backward on box
+    if (site.kind == "convT" and site.cin % 8 == 0 and site.cout % 16 == 0
+            and site.edge ** 3 >= TRANSPOSED_BOX_MIN_VOXELS):  # backward on the box kernels
         v = site.edge ** 3  # input voxels: the backward passes' boxes
         return {"fwd": ("convT", shape_class(site.cin, site.cout, taps)),
                 "bwd_data": ("box", shape_class(site.cout, site.cin, taps, v)),
@@ -95,9 +99,10 @@ def site_ops(site) -> dict:
         return {"fwd": ("convT", shape_class(site.cin, site.cout, taps)),
                 "bwd_data": ("gather", shape_class(site.cout, site.cin, taps)),
                 "bwd_weight": ("wgrad", shape_class(site.cout, site.cin, taps))}
+    # Cout not a multiple of 8 (the head): backward-weight on the box kernel over a padded dy
     return {"fwd": ("gather", shape_class(site.cin, site.cout, taps)),
             "bwd_data": ("gather", shape_class(site.cout, site.cin, taps)),
-            "bwd_weight": ("wgrad", shape_class(site.cin, site.cout, taps))}
+            "bwd_weight": ("boxw", shape_class(site.cin, site.cout, taps, site.out_edge ** 3))}
 
 
 def candidates(op: str, cls: str) -> list:

@@ -217,6 +217,30 @@ def test_box_weight_grad_taps_per_program(taps, monkeypatch):
     assert rel_err(one, ref) < 1e-5
 
 
+@pytest.mark.parametrize("k,p,dtype", [(1, 0, torch.float32), (3, 1, torch.bfloat16)])
+def test_box_weight_grad_cout_not_multiple_of_8(k, p, dtype, monkeypatch):
+    """Cout = 6 (the head): dy zero-padded to 16 channels for the box backward-weight kernel (a spy
+    checks that it ran); dW exact, only its 6 real rows written."""
+    from scaffold.kernels import conv_box
+
+    gen = torch.Generator().manual_seed(19)
+    x, w, _, dy = make_conv(gen, 2, 16, 6, (3, 4, 5), k, 1, p, 1, False, integer=True)
+    geom = ((1,) * 3, (p,) * 3, (1,) * 3)
+    refs = conv3d_ref(x, w, None, *geom, grad_out=dy)
+    xd, wd, dyd = cl_all(dtype, x, w, dy)
+    ran = []
+    real = conv_box._conv_box_wgrad_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            ran.append(grid)
+            return real[grid]
+    monkeypatch.setattr(conv_box, "_conv_box_wgrad_kernel", Spy())
+    dw = K.conv3d_backward_weight(dyd, xd, w.shape, dtype, *geom, out=poisoned(w.shape, dtype))
+    assert ran or (DEV.type == "cuda" and dtype == torch.float32)
+    assert torch.equal(dw.double().cpu(), refs[2].to(dtype).double())
+
+
 def test_box_random_bf16_error_bound_and_repeat():
     """Random bf16 operands on the box path: within one bf16 rounding, two calls bitwise equal."""
     gen = torch.Generator().manual_seed(12)
@@ -237,11 +261,15 @@ def test_box_random_bf16_error_bound_and_repeat():
     pytest.param(2, 16, 32, (2, 3, 4), torch.bfloat16, id="T-batch2-bf16"),
     pytest.param(1, 24, 16, (5, 2, 8), torch.float32, id="T-flat-plane"),
 ])
-def test_conv_transpose_box_backward_small_integers_bitwise(n, cin, cout, size, dtype):
+def test_conv_transpose_box_backward_small_integers_bitwise(n, cin, cout, size, dtype, monkeypatch):
     """Transposed conv (kernel = stride = 2) backward passes on the box kernels, each tap a box of
     dy's subsampled view: dx (into an NCDHW buffer) and dW equal the float64 reference exactly;
-    dy's taps meet their weight rows, not a neighbouring tap's channels."""
+    dy's taps meet their weight rows, not a neighbouring tap's channels. (The kernels take inputs
+    of 64³ voxels and more; the threshold is lowered here to run them at tiny shapes.)"""
+    from scaffold.kernels import conv_box
     from scaffold.kernels.conv_box import transposed_box_supported
+
+    monkeypatch.setattr(conv_box, "TRANSPOSED_BOX_MIN_VOXELS", 1)
 
     gen = torch.Generator().manual_seed(17 + cin)
     x, w = ints(gen, n, cin, *size), ints(gen, cin, cout, 2, 2, 2)
@@ -257,9 +285,11 @@ def test_conv_transpose_box_backward_small_integers_bitwise(n, cin, cout, size, 
     assert torch.equal(dw.double().cpu(), refs[2].to(dtype).double())
 
 
-def test_box_routing():
+def test_box_routing(monkeypatch):
     """What takes the box kernels: stride 1, channels-last operands of one dtype, Cout % 8; which
-    odd input channel counts are folded into channels and which zero-padded."""
+    odd input channel counts are folded into channels and which zero-padded; which transposed convs'
+    backward passes."""
+    from scaffold.kernels import conv_box
     from scaffold.kernels.conv_box import box_supported, folds, transposed_box_supported
 
     x = torch.zeros(1, 16, 4, 4, 4, device=DEV).contiguous(memory_format=CL)
@@ -280,7 +310,9 @@ def test_box_routing():
     assert not folds(12, (3, 3, 3)) and not folds(16, (3, 3, 3))  # 108: padded; 16: as is
     dy = torch.zeros(1, 32, 8, 8, 8, device=DEV, dtype=torch.bfloat16).contiguous(memory_format=CL)
     wt = torch.zeros(16, 32, 2, 2, 2, device=DEV, dtype=torch.bfloat16).contiguous(memory_format=CL)
-    assert transposed_box_supported((dy, wt), wt.shape)  # transposed conv backward: box kernels
+    assert not transposed_box_supported((dy, wt), wt.shape)  # 4³ input voxels: gather kernels
+    monkeypatch.setattr(conv_box, "TRANSPOSED_BOX_MIN_VOXELS", 64)
+    assert transposed_box_supported((dy, wt), wt.shape)  # from 64 input voxels: box kernels
     assert not transposed_box_supported((dy, wt), (16, 8, 2, 2, 2))  # Cout 8: not a multiple of 16
     assert not transposed_box_supported((dy, wt), (12, 32, 2, 2, 2))  # Cin 12
     dy2 = torch.zeros(1, 32, 8, 2, 2, device=DEV, dtype=torch.bfloat16).contiguous(memory_format=CL)

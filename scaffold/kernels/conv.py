@@ -91,10 +91,13 @@ def conv3d_backward_weight(dy, x, w_shape, dtype, stride, padding, dilation, out
     if out is None:
         out = torch.empty(w_shape, device=dy.device, dtype=dtype, memory_format=_CL)
     co, ci, *k = w_shape
-    if box_supported((dy, x), w_shape, stride):
+    # Cout not a multiple of 8 (the head's 6 classes): dy zero-padded to 16 channels for the copy
+    # engine, a few MB, then the same box kernel; the stores keep to the real rows.
+    cp = co if co % 8 == 0 else round16(co)
+    if box_supported((dy, x), (cp, *w_shape[1:]), stride):
         tile = conv_tile(dy.device, dy.dtype, "boxw", ci, co, k[0] * k[1] * k[2], _voxels(dy))
         xb, _, kb, pb, db = box_operands(x, None, tuple(k), padding, dilation)
-        return conv_box_weight_grad(dy, xb, out, kb, pb, db, tile)
+        return conv_box_weight_grad(pad_channels(dy, cp), xb, out, kb, pb, db, tile)
     tile = conv_tile(dy.device, dy.dtype, "wgrad", ci, co, k[0] * k[1] * k[2])
     return conv_weight_grad(dy, x, out, tuple(k), stride, padding, dilation, tile)
 

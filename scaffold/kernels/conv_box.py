@@ -241,10 +241,19 @@ def transposed_box_supported(tensors: tuple, w_shape) -> bool:
     (weight (Cin, Cout, k…)) whose operands are `tensors`, dy first: Cin a multiple of 8, Cout of 16
     (a step through dy's subsampled view stays within one tap), at least 16 input voxels per (d)
     plane (the box is one plane). A pure function of device, dtype, layout, shape."""
-    cin, cout, _, kh, kw = w_shape
+    cin, cout, kd, kh, kw = w_shape
     dy = tensors[0]
     plane = (triton.next_power_of_2(dy.shape[3] // kh) * triton.next_power_of_2(dy.shape[4] // kw))
-    return cin % 8 == 0 and cout % 16 == 0 and plane >= 16 and _descriptor_operands(tensors)
+    voxels = dy.shape[2] * dy.shape[3] * dy.shape[4] // (kd * kh * kw)
+    return (cin % 8 == 0 and cout % 16 == 0 and plane >= 16
+            and voxels >= TRANSPOSED_BOX_MIN_VOXELS and _descriptor_operands(tensors))
+
+
+# Input voxels per sample from which the transposed convs' backward passes take the box kernels.
+# H200, scale-7 sites (box against gather, ms, backward-data / backward-weight): 64³ input
+# 0.106 / 0.238 against 0.164 / 0.481; at 32³ 0.073 / 0.321 against 0.070 / 0.152, and at 16³
+# and 8³ the box kernels were 2-4x slower (their one-plane boxes leave few, short programs).
+TRANSPOSED_BOX_MIN_VOXELS = 64 ** 3
 
 
 def _descriptor_operands(tensors: tuple) -> bool:
@@ -341,7 +350,8 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     Tile fields: block_m = output channels R per program, block_n = input channels C per program,
     block_k = voxels per box, taps = kw taps per program (1-3)."""
     assert out.is_contiguous(memory_format=torch.channels_last_3d), "out must be channels_last_3d"
-    n, r = g.shape[:2]
+    n = g.shape[0]
+    r = out.shape[0]  # g's channels, or fewer where g (dy) was zero-padded (the head)
     taps = kernel[0] * kernel[1] * kernel[2]
     # Input channels per tap as `out` stores them: x's, or fewer where x was zero-padded, or
     # KH·KW·Cin for a folded x (box_operands); the masks keep the padding out of `out`.

@@ -90,6 +90,8 @@ def heuristic_tile(arch: str, dtype: torch.dtype, op: str, cls: str) -> Tile:
     if op == "boxw":  # block_m: Cout, block_n: Cin, block_k: voxels per box
         if cls == "flat":  # the folded stem: 32 channels of (kh, kw, ci) per voxel
             return Tile(64, 32, 128, num_warps=4, num_stages=3)
+        if cls == "narrow":  # the head: its dy padded to 16 channels, a memory-bound reduction
+            return Tile(16, 64, 128, num_warps=4, num_stages=3)
         return Tile(128, 64, 128, num_warps=4, num_stages=3)
     if op == "box":
         if cls == "flat":  # the folded stem's forward: K steps of its 32 channels
