@@ -3,6 +3,8 @@
 Times the whole training step of the model (input built on the device, forward under bf16 autocast, loss,
 backward, gradient clip, Adam, zero grads) for several variants, side by side in one process:
   ladder    the default: every site on its rung (Triton on CUDA where supported)
+  triton    the default with the convolutions forced onto the Triton rung (conv=triton,
+            conv_transpose=triton), to weigh that rung inside the real step
   vendor    every site forced to the vendor op (stock eager PyTorch: cuDNN + ATen)
   compiled  the vendor model under torch.compile (what a user gets from stock PyTorch + compile)
 Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with CUDA events;
@@ -26,8 +28,9 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
 
     cfg = Config(scale=scale)
     cfg.model.base_width = width
-    rung = "auto" if variant == "ladder" else "vendor"
-    cfg.ladder = LadderConfig(conv=rung, conv_transpose=rung, group_norm=rung, concat=rung)
+    rung = "auto" if variant in ("ladder", "triton") else "vendor"
+    conv = "triton" if variant == "triton" else rung
+    cfg.ladder = LadderConfig(conv=conv, conv_transpose=conv, group_norm=rung, concat=rung)
     determinism.seed_all(0)
     model = UNet3d.from_config(cfg, n_classes).to(device)
     if device.type == "cuda":
