@@ -34,10 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import sm_count
 from .conv_fwd import dot_mode, mma
 from .grid import grouped_program, tap_coords, voxel_coords
-from .splits import split_plan, sum_splits, wave_split_plan
+from .splits import sum_splits, wave_split_plan
 
 try:  # Triton >= 3.3 host-side descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -297,9 +296,12 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     num_boxes = n * tiles[0] * tiles[1] * tiles[2]
     programs = num_boxes * triton.cdiv(co, tile.block_n)
     iters = k[0] * k[1] * k[2] * triton.cdiv(c, block_k)
-    # Split only a launch of less than one wave: more tiles already keep every multiprocessor busy.
-    s, per_split = (split_plan(x.device, programs, iters, out.numel())
-                    if programs < sm_count(x.device) else (1, iters))
+    # Split the (tap, channel) loop where a launch has too few tiles for whole waves (the 8³ and
+    # 16³ sites); the fp32 partials (one output per split) are in the cost, so big launches keep one.
+    per_sm = programs_per_sm((bd * bh * bw + tile.block_n) * block_k * x.element_size(),
+                             tile.num_stages, tile.num_warps, bd * bh * bw * tile.block_n)
+    s, per_split = wave_split_plan(x.device, programs, iters, out.numel(),
+                                   2 * bd * bh * bw * tile.block_n * block_k, per_sm)
     if s == 1:
         target, split_stride = out, 0
     else:  # fp32 partials [S, N, D, H, W, C], summed in order into a dense channels-last result
@@ -324,14 +326,20 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     return out
 
 
-def wgrad_programs_per_sm(tile, tw: int, elem: int) -> int:
-    """Backward-weight programs one multiprocessor holds at once (Hopper: 228 KiB of shared memory,
-    1 KiB reserved per block; 64 K registers), estimated from the tile: its pipeline stages of one
-    dy box and tw x boxes, and its tw fp32 accumulators plus ~64 registers a thread."""
-    smem = tile.num_stages * tile.block_k * (tile.block_m + tw * tile.block_n) * elem + 1024
-    threads = tile.num_warps * 32
-    regs = threads * (tile.block_m * tile.block_n * tw // threads + 64)
+def programs_per_sm(stage_bytes: int, stages: int, warps: int, acc_elems: int) -> int:
+    """Programs one multiprocessor holds at once (Hopper: 228 KiB of shared memory, 1 KiB reserved
+    per block; 64 K registers), estimated from a tile's pipeline stages and its fp32 accumulators
+    plus ~64 registers a thread."""
+    smem = stages * stage_bytes + 1024
+    threads = warps * 32
+    regs = threads * (acc_elems // threads + 64)
     return max(1, min(228 * 1024 // smem, 65536 // regs))
+
+
+def wgrad_programs_per_sm(tile, tw: int, elem: int) -> int:
+    """programs_per_sm of a backward-weight tile: a stage holds one dy box and tw x boxes."""
+    return programs_per_sm(tile.block_k * (tile.block_m + tw * tile.block_n) * elem,
+                           tile.num_stages, tile.num_warps, tile.block_m * tile.block_n * tw)
 
 
 def taps_per_program(kw: int, tile) -> int:
