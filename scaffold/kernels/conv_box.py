@@ -132,9 +132,8 @@ def _conv_box_wgrad_kernel(
     cb = t % blocks_c
     tg = t // blocks_c  # tap group: (kd, kh, kw0)
     groups_w: tl.constexpr = KW // TW
-    kw0 = (tg % groups_w) * TW
-    kh = (tg // groups_w) % KH
-    kd = tg // (groups_w * KH)
+    kd, kh, kw_group = tap_coords(tg, KH, groups_w)
+    kw0 = kw_group * TW
     r0 = pid_r * BLOCK_R
     c0 = cb * BLOCK_Q
     acc0 = tl.zeros((BLOCK_R, BLOCK_Q), dtype=tl.float32)
@@ -216,6 +215,25 @@ def subsampled_desc(dy: torch.Tensor, kernel: tuple, block: list):
     return TensorDescriptor.from_tensor(view, block)
 
 
+def _operand_desc(t: torch.Tensor, size: tuple, box_voxels: int, channels: int, block_c: int,
+                  kernel: tuple, sub: bool):
+    """((BD, BH, BW), channel block, descriptor) for the shifted-box operand t of a launch whose
+    boxes of box_voxels tile a volume of `size`: box_shape's box over t's NDHWC view, or (sub) a
+    one-plane box over t's subsampled view with a channel block dividing `channels`."""
+    if sub:
+        box = flat_box_shape(size, box_voxels)
+        block = sub_block_k(channels, block_c)
+        return box, block, subsampled_desc(t, kernel, [1, box[1], 1, box[2], block])
+    box = box_shape(size, box_voxels)
+    return box, block_c, TensorDescriptor.from_tensor(_ndhwc(t), [1, *box, block_c])
+
+
+def _box_grid(shape: tuple, box: tuple) -> tuple:
+    """((tiles_d, tiles_h, tiles_w), boxes in all) of boxes `box` over a volume (N, C, D, H, W)."""
+    tiles = tuple(triton.cdiv(shape[2 + i], box[i]) for i in range(3))
+    return tiles, shape[0] * tiles[0] * tiles[1] * tiles[2]
+
+
 def _ndhwc(t: torch.Tensor) -> torch.Tensor:
     """The [N, D, H, W, C] view of a channels-last NCDHW tensor (no copy)."""
     return t.permute(0, 2, 3, 4, 1)
@@ -282,18 +300,12 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     c, co = w.shape[0 if mirror else 1], out.shape[1]
     if sub:
         c = w.shape[1]
-        bd, bh, bw = flat_box_shape(tuple(out.shape[2:]), tile.block_m)
-        block_k = sub_block_k(c, tile.block_k)
-        x_desc = subsampled_desc(x, k, [1, bh, 1, bw, block_k])
-    else:
-        bd, bh, bw = box_shape(tuple(out.shape[2:]), tile.block_m)
-        block_k = tile.block_k
-        x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, block_k])
+    (bd, bh, bw), block_k, x_desc = _operand_desc(x, tuple(out.shape[2:]), tile.block_m, c,
+                                                  tile.block_k, k, sub)
     w_block = [block_k, 1, tile.block_n] if mirror else [tile.block_n, 1, block_k]
     w_desc = TensorDescriptor.from_tensor(_taps_view(w), w_block)
     n, _, d, h, wd = out.shape
-    tiles = (triton.cdiv(d, bd), triton.cdiv(h, bh), triton.cdiv(wd, bw))
-    num_boxes = n * tiles[0] * tiles[1] * tiles[2]
+    tiles, num_boxes = _box_grid(out.shape, (bd, bh, bw))
     programs = num_boxes * triton.cdiv(co, tile.block_n)
     iters = k[0] * k[1] * k[2] * triton.cdiv(c, block_k)
     # Split the (tap, channel) loop where a launch has too few tiles for whole waves (the 8³ and
@@ -336,11 +348,6 @@ def programs_per_sm(stage_bytes: int, stages: int, warps: int, acc_elems: int) -
     return max(1, min(228 * 1024 // smem, 65536 // regs))
 
 
-def wgrad_programs_per_sm(tile, tw: int, elem: int) -> int:
-    """programs_per_sm of a backward-weight tile: a stage holds one dy box and tw x boxes."""
-    return programs_per_sm(tile.block_k * (tile.block_m + tw * tile.block_n) * elem,
-                           tile.num_stages, tile.num_warps, tile.block_m * tile.block_n * tw)
-
 
 def taps_per_program(kw: int, tile) -> int:
     """kw taps one wgrad program owns: the tile's (1-3) where it divides the kernel's kw."""
@@ -358,28 +365,23 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     Tile fields: block_m = output channels R per program, block_n = input channels C per program,
     block_k = voxels per box, taps = kw taps per program (1-3)."""
     assert out.is_contiguous(memory_format=torch.channels_last_3d), "out must be channels_last_3d"
-    n = g.shape[0]
     r = out.shape[0]  # g's channels, or fewer where g (dy) was zero-padded (the head)
     taps = kernel[0] * kernel[1] * kernel[2]
     # Input channels per tap as `out` stores them: x's, or fewer where x was zero-padded, or
     # KH·KW·Cin for a folded x (box_operands); the masks keep the padding out of `out`.
     c = out.numel() // (r * taps)
-    if sub:
-        bd, bh, bw = flat_box_shape(tuple(g.shape[2:]), tile.block_k)
-        block_q = sub_block_k(c, tile.block_n)
-        x_desc = subsampled_desc(x, kernel, [1, bh, 1, bw, block_q])
-    else:
-        bd, bh, bw = box_shape(tuple(g.shape[2:]), tile.block_k)
-        block_q = tile.block_n
-        x_desc = TensorDescriptor.from_tensor(_ndhwc(x), [1, bd, bh, bw, block_q])
+    (bd, bh, bw), block_q, x_desc = _operand_desc(x, tuple(g.shape[2:]), tile.block_k, c,
+                                                  tile.block_n, kernel, sub)
     g_desc = TensorDescriptor.from_tensor(_ndhwc(g), [1, bd, bh, bw, tile.block_m])
-    tiles = (triton.cdiv(g.shape[2], bd), triton.cdiv(g.shape[3], bh), triton.cdiv(g.shape[4], bw))
-    num_boxes = n * tiles[0] * tiles[1] * tiles[2]
+    tiles, num_boxes = _box_grid(g.shape, (bd, bh, bw))
     tw = taps_per_program(kernel[2], tile)
     programs = triton.cdiv(r, tile.block_m) * triton.cdiv(c, block_q) * (taps // tw)
-    step_flops = 2 * bd * bh * bw * tile.block_m * block_q * tw  # one box, one program
-    s, per_split = wave_split_plan(g.device, programs, num_boxes, r * c * taps, step_flops,
-                                   wgrad_programs_per_sm(tile, tw, g.element_size()))
+    bm = bd * bh * bw
+    # a stage holds one dy box and tw x boxes; tw fp32 accumulators
+    per_sm = programs_per_sm(bm * (tile.block_m + tw * block_q) * g.element_size(),
+                             tile.num_stages, tile.num_warps, tile.block_m * block_q * tw)
+    s, per_split = wave_split_plan(g.device, programs, num_boxes, r * c * taps,
+                                   2 * bm * tile.block_m * block_q * tw, per_sm)
     partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
                                               dtype=torch.float32)
     _conv_box_wgrad_kernel[(programs, s)](
