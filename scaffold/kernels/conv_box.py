@@ -34,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import sm_count
 from .conv_fwd import dot_mode, mma
 from .grid import grouped_program, tap_coords, voxel_coords
-from .splits import sum_splits, wave_split_plan
+from .splits import split_plan, sum_splits, wave_split_plan
 
 try:  # Triton >= 3.3 host-side descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -132,8 +133,9 @@ def _conv_box_wgrad_kernel(
     cb = t % blocks_c
     tg = t // blocks_c  # tap group: (kd, kh, kw0)
     groups_w: tl.constexpr = KW // TW
-    kd, kh, kw_group = tap_coords(tg, KH, groups_w)
-    kw0 = kw_group * TW
+    kw0 = (tg % groups_w) * TW
+    kh = (tg // groups_w) % KH
+    kd = tg // (groups_w * KH)
     r0 = pid_r * BLOCK_R
     c0 = cb * BLOCK_Q
     acc0 = tl.zeros((BLOCK_R, BLOCK_Q), dtype=tl.float32)
@@ -308,12 +310,9 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     tiles, num_boxes = _box_grid(out.shape, (bd, bh, bw))
     programs = num_boxes * triton.cdiv(co, tile.block_n)
     iters = k[0] * k[1] * k[2] * triton.cdiv(c, block_k)
-    # Split the (tap, channel) loop where a launch has too few tiles for whole waves (the 8³ and
-    # 16³ sites); the fp32 partials (one output per split) are in the cost, so big launches keep one.
-    per_sm = programs_per_sm((bd * bh * bw + tile.block_n) * block_k * x.element_size(),
-                             tile.num_stages, tile.num_warps, bd * bh * bw * tile.block_n)
-    s, per_split = wave_split_plan(x.device, programs, iters, out.numel(),
-                                   2 * bd * bh * bw * tile.block_n * block_k, per_sm)
+    # Split only a launch of less than one wave: more tiles already keep every multiprocessor busy.
+    s, per_split = (split_plan(x.device, programs, iters, out.numel())
+                    if programs < sm_count(x.device) else (1, iters))
     if s == 1:
         target, split_stride = out, 0
     else:  # fp32 partials [S, N, D, H, W, C], summed in order into a dense channels-last result
@@ -376,12 +375,11 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     tiles, num_boxes = _box_grid(g.shape, (bd, bh, bw))
     tw = taps_per_program(kernel[2], tile)
     programs = triton.cdiv(r, tile.block_m) * triton.cdiv(c, block_q) * (taps // tw)
-    bm = bd * bh * bw
-    # a stage holds one dy box and tw x boxes; tw fp32 accumulators
-    per_sm = programs_per_sm(bm * (tile.block_m + tw * block_q) * g.element_size(),
-                             tile.num_stages, tile.num_warps, tile.block_m * block_q * tw)
+    # a stage holds one dy box and tw x boxes (the tile's sizes); tw fp32 accumulators
+    per_sm = programs_per_sm(tile.block_k * (tile.block_m + tw * tile.block_n) * g.element_size(),
+                             tile.num_stages, tile.num_warps, tile.block_m * tile.block_n * tw)
     s, per_split = wave_split_plan(g.device, programs, num_boxes, r * c * taps,
-                                   2 * bm * tile.block_m * block_q * tw, per_sm)
+                                   2 * bd * bh * bw * tile.block_m * block_q * tw, per_sm)
     partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
                                               dtype=torch.float32)
     _conv_box_wgrad_kernel[(programs, s)](
