@@ -8,8 +8,10 @@ fp32 operands multiply in IEEE fp32 (no tf32), so fp32 results match a float64 r
 
 Stride-1 convs on channels-last 16-bit tensors with output channels divisible by 8 (every 3×3×3
 site of the U-Net, the RGB stem with its taps folded into channels) run on the box kernels
-(conv_box: tensor-descriptor loads of shifted voxel boxes); the rest on the gather kernels below.
-Backward passes:
+(conv_box: tensor-descriptor loads of shifted voxel boxes), and so do the head's backward-weight (dy
+padded to 16 channels) and the backward passes of transposed convs from 64³ input voxels (dy read
+through a subsampled view); the rest on the gather kernels below.
+Backward passes on the gather kernels:
   conv3d:           dx = transposed gather of dy (conv_fwd), dW = split-K GEMM (conv_bwd_weight),
                     db = split reduction (bias_grad)
   conv_transpose3d: dx = strided gather conv of dy (conv_fwd), dW = conv_bwd_weight(G = x, X = dy),

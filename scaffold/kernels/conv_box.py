@@ -9,7 +9,8 @@ by the tensor memory accelerator into shared memory, so no thread computes a gat
   backward-data  dx[box, ci]  = sum over (tap, co) of dy[box − tap·dil + pad, co] · W[co, ci, tap]
                  (stride 1 only: the forward's mirror image, no flip or copy of the weight)
   backward-wgt   dW[co, ci, tap] = sum over boxes of dy[box, co]ᵀ · x[box + tap·dil − pad, ci],
-                 split-K over the boxes with fp32 partials added in index order (`sum_splits`).
+                 split-K over the boxes with fp32 partials added in index order (`sum_splits`);
+                 the split count makes whole waves of programs (`wave_split_plan`).
 The weight is read in place as [Cout, taps, Cin] (channels_last_3d order) through a 3-D descriptor.
 Outputs are written with ordinary masked stores (any strides). Where a launch has too few tiles to
 fill the device (the 8³ and 16³ sites), the forward and backward-data split their (tap, channel)
@@ -23,6 +24,11 @@ multiple of 16 channels, and the conv becomes a KD×1×1 one over x_fold (stem: 
 instead of 27 taps of 3 channels). The weight gradient of the folded conv, stored through the same
 masks, is bit for bit the layout of the real one ([Cout, kd, kh, kw, ci]), so no copy follows. Wider
 odd channel counts, and backward-data, zero-pad Cin instead. Every added term is an exact zero.
+
+Transposed convs with kernel = stride (the U-Net's upsampling), backward passes (SUB=True): dy is
+read through the 5-D view [N·D, H/k, k, W/k, k·C] of its own memory (`subsampled_desc`), in which the
+tap (a, b, c) of a one-plane box of input voxels is a single box; backward-data is then the forward
+GEMM over (tap, Cout), backward-weight the wgrad GEMM with x in dy's place. Used from 64³ input voxels.
 
 Requirements (`box_supported`): CUDA device with tensor descriptors (or the interpreter), stride 1,
 x (or dy) channels-last dense, output channels a multiple of 8 (16-byte rows of dy, what the copy
