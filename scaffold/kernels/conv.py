@@ -23,8 +23,8 @@ import torch
 
 from .bias_grad import bias_grad
 from .common import triton_usable
-from .conv_box import (box_operands, box_supported, conv_box, conv_box_weight_grad, pad_channels,
-                       round16, transposed_box_supported)
+from .conv_box import (box_channels, box_operands, box_supported, conv_box, conv_box_weight_grad,
+                       pad_channels, transposed_box_supported)
 from .conv_bwd_weight import conv_weight_grad
 from .conv_fwd import conv_gather
 from .conv_transpose import conv_transpose_scatter
@@ -81,7 +81,7 @@ def conv3d_backward_data(dy, w, x_shape, stride, padding, dilation, out=None):
         out = torch.empty(x_shape, device=dy.device, dtype=dy.dtype, memory_format=_CL)
     if box_supported((dy, w), w.shape, stride):
         tile = conv_tile(dy.device, dy.dtype, "box", co, ci, _taps(w), _voxels(out))
-        wb = w if ci % 8 == 0 else pad_channels(w, round16(ci))  # dx masked to ci
+        wb = pad_channels(w, box_channels(ci))  # dx masked to ci
         return conv_box(dy, wb, out, None, padding, dilation, True, tile)
     tile = conv_tile(dy.device, dy.dtype, "gather", co, ci, _taps(w))
     w_view = (w, w.stride(0), w.stride(1), *w.stride()[2:])
@@ -95,7 +95,7 @@ def conv3d_backward_weight(dy, x, w_shape, dtype, stride, padding, dilation, out
     co, ci, *k = w_shape
     # Cout not a multiple of 8 (the head's 6 classes): dy zero-padded to 16 channels for the copy
     # engine, a few MB, then the same box kernel; the stores keep to the real rows.
-    cp = co if co % 8 == 0 else round16(co)
+    cp = box_channels(co)
     if box_supported((dy, x), (cp, *w_shape[1:]), stride):
         tile = conv_tile(dy.device, dy.dtype, "boxw", ci, co, k[0] * k[1] * k[2], _voxels(dy))
         xb, _, kb, pb, db = box_operands(x, None, tuple(k), padding, dilation)

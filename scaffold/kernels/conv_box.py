@@ -306,8 +306,6 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     k = tuple(w.shape[2:])
     # reduction channels (the weight's, zero-padded ones included), output channels (out's)
     c, co = w.shape[0 if mirror else 1], out.shape[1]
-    if sub:
-        c = w.shape[1]
     (bd, bh, bw), block_k, x_desc = _operand_desc(x, tuple(out.shape[2:]), tile.block_m, c,
                                                   tile.block_k, k, sub)
     w_block = [block_k, 1, tile.block_n] if mirror else [tile.block_n, 1, block_k]
@@ -351,7 +349,6 @@ def programs_per_sm(stage_bytes: int, stages: int, warps: int, acc_elems: int) -
     threads = warps * 32
     regs = threads * (acc_elems // threads + 64)
     return max(1, min(228 * 1024 // smem, 65536 // regs))
-
 
 
 def taps_per_program(kw: int, tile) -> int:
@@ -407,6 +404,12 @@ _CL = torch.channels_last_3d
 
 def round16(c: int) -> int:
     return (c + 15) // 16 * 16
+
+
+def box_channels(c: int) -> int:
+    """A channel count the copy engine can read in rows: c if a multiple of 8, else c rounded up to
+    16 (the zero-padded operand, `pad_channels`)."""
+    return c if c % 8 == 0 else round16(c)
 
 
 def folds(cin: int, kernel: tuple) -> bool:
@@ -484,6 +487,6 @@ def box_operands(x, w, kernel: tuple, padding: tuple, dilation: tuple):
         xf = fold_input(x, kernel, padding, dilation)
         wf = None if w is None else fold_weight(w)
         return (xf, wf, (kernel[0], 1, 1), (padding[0], 0, 0), (dilation[0], 1, 1))
-    cp = round16(cin)
+    cp = box_channels(cin)
     return (pad_channels(x, cp), None if w is None else pad_channels(w, cp), kernel, padding,
             dilation)
