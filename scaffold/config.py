@@ -73,9 +73,10 @@ class OptimConfig:
 @dataclass
 class LadderConfig:
     conv: str = "auto"
-    """Rung for Conv3d sites: auto | triton | vendor."""
+    """Rung for Conv3d sites: auto | routed | triton | vendor (auto on CUDA = routed: each direction
+    on Triton or deterministic cuDNN per measured shape, see scaffold/kernels/routes.py)."""
     conv_transpose: str = "auto"
-    """Rung for ConvTranspose3d sites: auto | triton | vendor."""
+    """Rung for ConvTranspose3d sites: auto | routed | triton | vendor."""
     group_norm: str = "auto"
     """Rung for GroupNorm(+ReLU) sites: auto | triton | vendor."""
     concat: str = "auto"

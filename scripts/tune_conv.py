@@ -165,16 +165,23 @@ def tune(scale: int, names=None, ops=None, log=print) -> dict:
     return table
 
 
-def write_table(table: dict, path: str) -> None:
-    """Replace the TABLE block of tiles.py, atomically."""
+def rewrite_block(path: str, name: str, body: str) -> None:
+    """Replace the body of the generated `NAME: dict[...] = {` ... `}` / `# END NAME` block of a
+    source file, atomically (temp file + rename)."""
     src = open(path).read()
-    body = "".join(f'    "{k}": {tuple(v)},\n' for k, v in sorted(table.items()))
-    new = re.sub(r"(TABLE: dict\[str, tuple\] = \{\n).*?(\}\n# END TABLE)",
-                 lambda m: m.group(1) + body + m.group(2), src, flags=re.S)
+    pattern = rf"({name}: dict\[[^\n]*\] = \{{\n).*?(\}}\n# END {name})"
+    new, n = re.subn(pattern, lambda m: m.group(1) + body + m.group(2), src, flags=re.S)
+    if n != 1:
+        raise ValueError(f"{path}: no generated {name} block to rewrite")
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(new)
     os.replace(tmp, path)
+
+
+def write_table(table: dict, path: str) -> None:
+    """Replace the TABLE block of tiles.py, atomically."""
+    rewrite_block(path, "TABLE", "".join(f'    "{k}": {tuple(v)},\n' for k, v in sorted(table.items())))
 
 
 def main(argv=None) -> int:

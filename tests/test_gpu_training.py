@@ -103,3 +103,27 @@ def test_training_on_triton_convs_gives_the_same_bits_twice(cache, tmp_path):
     assert census["fallbacks"] == []
     assert stable_rows(runs[0] / "train_stats.csv") == stable_rows(runs[1] / "train_stats.csv")
     assert same_params(params(runs[0]), params(runs[1]))
+
+
+def _mixed_route(x, weight, stride, padding, dilation, transposed=False):
+    """A stand-in route table for the small model: every site gets some mix of Triton and cuDNN
+    directions (never all vendor), fixed by its shape."""
+    cin, cout = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+    idx = (cin // 8 + cout // 8 + x.shape[-1]) % 7 + 1
+    return bool(idx & 1), bool(idx & 2), bool(idx & 4)
+
+
+def test_training_on_routed_convs_gives_the_same_bits_twice(cache, tmp_path, monkeypatch):
+    """`auto` on CUDA runs the convolutions `routed`: directions split between Triton and
+    deterministic cuDNN per shape. Two runs give the same bits, and every site ran routed."""
+    monkeypatch.setattr("scaffold.kernels.conv.conv_route", _mixed_route)
+    cfg = [a for a in TRITON_CONVS if not a.startswith("ladder.")]
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run_dir in runs:
+        run_dir.mkdir()
+        worker.run(tiny_cfg(cache, *cfg), run_dir)
+    census = json.loads((runs[0] / "census.json").read_text())
+    assert census["conv"] == {"routed": 11} and census["conv_transpose"] == {"routed": 2}, census
+    assert census["fallbacks"] == []
+    assert stable_rows(runs[0] / "train_stats.csv") == stable_rows(runs[1] / "train_stats.csv")
+    assert same_params(params(runs[0]), params(runs[1]))

@@ -102,3 +102,82 @@ def test_conv_transpose3d_rejects_kernel_not_stride():
     x = torch.zeros(1, 4, 2, 2, 2, device=DEV)
     with pytest.raises(ValueError, match="kernel .* must equal stride"):
         K.conv_transpose3d(x, torch.zeros(4, 3, 3, 3, 3, device=DEV), None, (2, 2, 2))
+
+
+ROUTES = [(f, d, w) for f in (True, False) for d in (True, False) for w in (True, False)]
+
+
+def _spy(monkeypatch, names):
+    """Counts calls of the Triton launchers `names` (module globals of kernels.conv)."""
+    calls = {n: 0 for n in names}
+    for n in names:
+        real = getattr(K, n)
+
+        def spy(*a, _n=n, _real=real, **kw):
+            calls[_n] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(K, n, spy)
+    return calls
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: "".join("tv"[not t] for t in r))
+def test_conv3d_route_runs_each_direction_where_it_says(route, monkeypatch):
+    """A route (forward, backward-data, backward-weight) on Triton or ATen: same values as F.conv3d
+    for every mix, and the Triton launchers run exactly for the directions routed to Triton."""
+    calls = _spy(monkeypatch, ["conv3d_forward", "conv3d_backward_data", "conv3d_backward_weight",
+                               "bias_grad"])
+    gen = torch.Generator().manual_seed(4)
+    x, w, b = leaves(gen, (1, 4, 3, 4, 5), (8, 4, 3, 3, 3), (8,))
+    dy = torch.randn(1, 8, 3, 4, 5, generator=gen).to(DEV)
+    geom = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
+    y, g = grads_of(lambda *a: K.conv3d(*a, *geom, route=route), (x, w, b), dy)
+    y_ref, g_ref = grads_of(lambda *a: F.conv3d(*a, *geom), (x, w, b), dy)
+    assert close(y, y_ref, 1e-5)
+    for name, a, r in zip(("dx", "dw", "db"), g, g_ref):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        assert close(a, r, 1e-5), name
+    assert calls == {"conv3d_forward": int(route[0]), "conv3d_backward_data": int(route[1]),
+                     "conv3d_backward_weight": int(route[2]), "bias_grad": int(route[2])}
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: "".join("tv"[not t] for t in r))
+def test_conv_transpose3d_route_runs_each_direction_where_it_says(route, monkeypatch):
+    calls = _spy(monkeypatch, ["conv_transpose3d_forward", "conv_transpose3d_backward_data",
+                               "conv_transpose3d_backward_weight"])
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = leaves(gen, (1, 8, 2, 3, 2), (8, 4, 2, 2, 2), (4,))
+    dy = torch.randn(1, 4, 4, 6, 4, generator=gen).to(DEV)
+    y, g = grads_of(lambda *a: K.conv_transpose3d(*a, (2, 2, 2), route=route), (x, w, b), dy)
+    y_ref, g_ref = grads_of(lambda *a: F.conv_transpose3d(*a, stride=2), (x, w, b), dy)
+    assert close(y, y_ref, 1e-5)
+    for name, a, r in zip(("dx", "dw", "db"), g, g_ref):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        assert close(a, r, 1e-5), name
+    assert calls == {"conv_transpose3d_forward": int(route[0]),
+                     "conv_transpose3d_backward_data": int(route[1]),
+                     "conv_transpose3d_backward_weight": int(route[2])}
+
+
+def test_routed_entry_points_follow_the_table(monkeypatch):
+    """conv3d_routed looks its shape up in ROUTES (autocast's dtype under autocast): a listed shape runs
+    the listed directions on Triton; the `supports` predicates refuse unlisted and all-vendor shapes."""
+    from scaffold.kernels import routes
+
+    calls = _spy(monkeypatch, ["conv3d_forward", "conv3d_backward_data", "conv3d_backward_weight"])
+    gen = torch.Generator().manual_seed(6)
+    x, w = leaves(gen, (1, 8, 4, 4, 4), (8, 8, 3, 3, 3))
+    one = (1, 1, 1)
+    args = (x, w, None, one, one, one, 1)
+    monkeypatch.setattr(routes, "ROUTES", {})
+    assert not K.conv3d_routed_supported(*args)
+    key = routes.route_key(routes.arch_key(DEV), torch.float32, "conv", 8, 8, (3, 3, 3), one, one, one,
+                           (4, 4, 4))
+    routes.ROUTES[key] = ("vendor", "vendor", "vendor")
+    assert not K.conv3d_routed_supported(*args)
+    routes.ROUTES[key] = ("vendor", "triton", "vendor")
+    assert K.conv3d_routed_supported(*args)
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        assert not K.conv3d_routed_supported(*args)  # the bf16 key is not listed
+    K.conv3d_routed(x, w, None, one, one, one).sum().backward()
+    assert calls == {"conv3d_forward": 0, "conv3d_backward_data": 1, "conv3d_backward_weight": 0}

@@ -115,10 +115,13 @@ def test_select_rung_is_a_pure_function_of_device_and_metadata(fake_rungs, monke
     w = torch.empty(8, 8, 3, 3, 3, device="meta")
     args = (x, w, None, (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     cuda = torch.device("cuda")
-    # `auto` keeps convolutions on the vendor rung until the Triton ones are faster (AUTO_TAKES_FAST).
-    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
-    monkeypatch.setitem(L.AUTO_TAKES_FAST, "conv", True)
+    # `auto` runs the kind's AUTO_RUNG on CUDA: `routed` for convolutions, `triton` for the others.
+    assert L.AUTO_RUNG["conv"] == "routed" and L.AUTO_RUNG["group_norm"] == "triton"
+    monkeypatch.setitem(L.AUTO_RUNG, "conv", "triton")
     assert L.select_rung("conv", "auto", cuda, args) == "triton"
+    monkeypatch.setitem(L.AUTO_RUNG, "conv", None)
+    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
+    monkeypatch.setitem(L.AUTO_RUNG, "conv", "triton")
     assert L.select_rung("conv", "auto", torch.device("cpu"), args) == "vendor"
     assert L.select_rung("conv", "triton", torch.device("cpu"), args) == "triton"
     assert L.select_rung("conv", "vendor", cuda, args) == "vendor"
@@ -126,6 +129,28 @@ def test_select_rung_is_a_pure_function_of_device_and_metadata(fake_rungs, monke
     assert L.select_rung("conv", "auto", cuda, args) == "vendor"
     L.unregister_rung("conv", "triton")
     assert L.select_rung("conv", "triton", cuda, args) == "vendor"
+
+
+def test_auto_routes_convolutions_only_where_a_measured_route_takes_triton(monkeypatch):
+    """The real `routed` rung: a shape without a route stays vendor under auto; one whose route sends
+    a direction to Triton takes `routed`; a route that is all vendor is plain vendor."""
+    from scaffold.kernels import routes
+
+    x = torch.empty(1, 8, 4, 4, 4, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(16, 8, 3, 3, 3, device="meta", dtype=torch.bfloat16)
+    args = (x, w, None, (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(routes, "ROUTES", {})
+    monkeypatch.setattr("scaffold.kernels.conv.triton_usable", lambda t: True)  # meta tensors
+    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
+    key = routes.route_key("cpu", torch.bfloat16, "conv", 8, 16, (3, 3, 3), (1,) * 3, (1,) * 3, (1,) * 3,
+                           (4, 4, 4))
+    assert key == "cpu|bf16|conv|8>16|k3s1p1d1|4x4x4"
+    routes.ROUTES[key] = ("vendor", "vendor", "vendor")
+    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
+    routes.ROUTES[key] = ("triton", "vendor", "vendor")
+    assert L.select_rung("conv", "auto", cuda, args) == "routed"
+    assert L.select_rung("conv", "auto", cuda, (x[..., :3],) + args[1:]) == "vendor"  # other shape
 
 
 def test_missing_kernel_module_makes_the_rung_unavailable():

@@ -153,7 +153,7 @@ def test_resume_errors_are_one_line(cache, tmp_path):
     ("batch_size=1000", "batch_size=1000: expected at most the"),
     ("more_determinism=true", "more_determinism is retired"),
     ("data.n_categories=0", "data.n_categories=0: expected a positive integer"),
-    ("ladder.conv=fast", "ladder.conv='fast': expected auto | triton | vendor"),
+    ("ladder.conv=fast", "ladder.conv='fast': expected auto | routed | triton | vendor"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, override, expected):
     res = cli(override, "epochs=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)

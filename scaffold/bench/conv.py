@@ -3,10 +3,13 @@
     python -m scaffold.bench.conv --scale 7,8 [--sites stem,head] [--out conv.json]
 
 For each site (stem, each 3×3×3 conv, the transposed convs, the 1×1×1 head) and each direction
-(forward, backward-data, backward-weight incl. the bias gradient) it times the Triton launchers and
-cuDNN (torch.backends.cudnn.benchmark = True, i.e. cuDNN's best algorithm) on the same bf16 NDHWC
-tensors: medians of triton.testing.do_bench, ratios, TFLOP/s, and per-model totals where each site is
-weighted by how often it occurs in the model. Needs a CUDA GPU.
+(forward, backward-data, backward-weight incl. the bias gradient) it times, on the same bf16 NDHWC
+tensors: the Triton launchers (`triton`), cuDNN with algorithm search (`cudnn`: cudnn.benchmark on,
+cuDNN's best), and cuDNN restricted to deterministic algorithms without search (`cudnn_det`: what the
+vendor rung runs in training). `routed` is what `ladder.conv=auto` runs: per direction, the Triton
+time where the measured route (scaffold/kernels/routes.py) takes Triton, else the `cudnn_det` time.
+Medians of triton.testing.do_bench, ratios, TFLOP/s, and per-model totals where each site is weighted
+by how often it occurs in the model. Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import torch
 from scaffold.bench import write_json
 
 DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
+RUNGS = ("triton", "cudnn", "cudnn_det")  # timed
+COLUMNS = RUNGS + ("routed",)  # routed: per direction, triton or cudnn_det as the route table says
 
 
 @dataclass(frozen=True)
@@ -177,23 +182,48 @@ def time_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
-def bench_site(site: Site, batch: int = 1) -> dict:
+def time_rung(rung: str, fn) -> float:
+    """do_bench median of fn on one rung: `cudnn_det` under deterministic cuDNN without algorithm
+    search (the vendor rung in training), the others under the caller's cuDNN flags."""
+    if rung != "cudnn_det":
+        return time_ms(fn)
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True,
+                                    allow_tf32=torch.backends.cudnn.allow_tf32):
+        return time_ms(fn)
+
+
+def site_route(site: Site, x, w):
+    """The measured route of a site (routes.py), None when its shape has none."""
+    from scaffold.kernels.routes import conv_route
+
+    if site.kind == "convT":
+        return conv_route(x, w, (2, 2, 2), (0, 0, 0), (1, 1, 1), transposed=True)
+    return conv_route(x, w, (1, 1, 1), (site.pad,) * 3, (1, 1, 1))
+
+
+def bench_site(site: Site, batch: int = 1, rungs=RUNGS) -> dict:
     x, w, b, dy = site_tensors(site, batch)
     row = {"site": asdict(site), "gflop": site.flops(batch) / 1e9}
-    tri, ven = triton_calls(site, x, w, b, dy), vendor_calls(site, x, w, b, dy)
+    calls = {"triton": triton_calls(site, x, w, b, dy)}
+    calls["cudnn"] = calls["cudnn_det"] = vendor_calls(site, x, w, b, dy)
     for d in DIRECTIONS:
-        for rung, calls in (("triton", tri), ("cudnn", ven)):
+        for rung in rungs:
             try:
-                row[f"{rung}_{d}_ms"] = time_ms(calls[d])
+                row[f"{rung}_{d}_ms"] = time_rung(rung, calls[rung][d])
             except Exception as e:  # one failing direction must not lose the rest of the table
                 row[f"{rung}_{d}_ms"] = None
                 row[f"{rung}_{d}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    route = site_route(site, x, w)
+    row["route"] = None if route is None else ["triton" if t else "vendor" for t in route]
+    if "triton" in rungs and "cudnn_det" in rungs:
+        for i, d in enumerate(DIRECTIONS):
+            row[f"routed_{d}_ms"] = row[f"{'triton' if route and route[i] else 'cudnn_det'}_{d}_ms"]
     return row
 
 
 def bench_model(scale: int, names: list[str] | None = None, batch: int = 1, log=print) -> dict:
     torch.backends.cudnn.benchmark = True
-    rows, totals = [], {f"{r}_{d}": 0.0 for r in ("triton", "cudnn") for d in DIRECTIONS}
+    rows, totals = [], {f"{r}_{d}": 0.0 for r in COLUMNS for d in DIRECTIONS}
     for site, count in distinct_sites(model_sites(scale)):
         if names and not any(n in site.name for n in names):
             continue
@@ -215,28 +245,31 @@ def _fmt(v, spec="7.3f"):
 
 
 def format_row(row: dict) -> str:
+    """One line per site: its route (T: Triton, v: vendor, -: none), then per direction Triton / cuDNN
+    (search) / cuDNN (deterministic) in ms, the ratio Triton / cuDNN (search) and Triton's TFLOP/s."""
     s = row["site"]
-    parts = [f"{s['name'][:24]:24s} x{row['count']}"]
+    route = "".join("Tv"[r != "triton"] for r in row["route"]) if row.get("route") else "---"
+    parts = [f"{s['name'][:24]:24s} x{row['count']} {route}"]
     for d in DIRECTIONS:
-        t, c = row.get(f"triton_{d}_ms"), row.get(f"cudnn_{d}_ms")
+        t, c, v = (row.get(f"{r}_{d}_ms") for r in RUNGS)
         ratio = (t / c) if (t and c) else None
         tf = row["gflop"] / t if t else None
-        parts.append(f"{d[:6]:>6s} {_fmt(t)}/{_fmt(c)} ({_fmt(ratio, '4.2f')}x, {_fmt(tf, '4.0f')} TF/s)")
+        parts.append(f"{d[:6]:>6s} {_fmt(t)}/{_fmt(c)}/{_fmt(v)} ({_fmt(ratio, '4.2f')}x, "
+                     f"{_fmt(tf, '4.0f')} TF/s)")
     return " | ".join(parts)
 
 
 def format_totals(result: dict) -> str:
     t = result["totals_ms"]
-    tri = [t[f"triton_{d}"] for d in DIRECTIONS]
-    ven = [t[f"cudnn_{d}"] for d in DIRECTIONS]
-    if None in tri or None in ven:
-        return f"scale {result['scale']}: totals incomplete (a direction failed)"
-    return (f"scale {result['scale']} total (every site, fwd+dgrad+wgrad): triton {sum(tri):.2f} ms, "
-            f"cudnn {sum(ven):.2f} ms, ratio {sum(tri) / sum(ven):.3f}  [" +
-            ", ".join(f"{d} {a:.2f}/{b:.2f}" for d, a, b in zip(DIRECTIONS, tri, ven)) + "]")
-
-
-
+    lines = [f"scale {result['scale']} totals over every site (count-weighted), ms:"]
+    for rung in COLUMNS:
+        per = [t.get(f"{rung}_{d}") for d in DIRECTIONS]
+        if None in per:
+            lines.append(f"  {rung:<10} incomplete (a direction failed)")
+            continue
+        lines.append(f"  {rung:<10} {sum(per):8.2f}  [" +
+                     ", ".join(f"{d} {a:.2f}" for d, a in zip(DIRECTIONS, per)) + "]")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -2,9 +2,11 @@
 
 Times the whole training step of the model (input built on the device, forward under bf16 autocast, loss,
 backward, gradient clip, Adam, zero grads) for several variants, side by side in one process:
-  ladder    the default: every site on its rung (Triton on CUDA where supported)
+  ladder    the default: every site on its `auto` rung (the convolutions `routed`: per direction on
+            Triton or deterministic cuDNN as the measured routes say; GroupNorm and concat on Triton)
   triton    the default with the convolutions forced onto the Triton rung (conv=triton,
             conv_transpose=triton), to weigh that rung inside the real step
+  cudnn     the default with the convolutions forced onto vendor (cuDNN), the other sites as ladder
   vendor    every site forced to the vendor op (stock eager PyTorch: cuDNN + ATen)
   compiled  the vendor model under torch.compile (what a user gets from stock PyTorch + compile)
 Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with CUDA events;
@@ -28,8 +30,8 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
 
     cfg = Config(scale=scale)
     cfg.model.base_width = width
-    rung = "auto" if variant in ("ladder", "triton") else "vendor"
-    conv = "triton" if variant == "triton" else rung
+    rung = "auto" if variant in ("ladder", "triton", "cudnn") else "vendor"
+    conv = {"triton": "triton", "cudnn": "vendor"}.get(variant, rung)
     cfg.ladder = LadderConfig(conv=conv, conv_transpose=conv, group_norm=rung, concat=rung)
     determinism.seed_all(0)
     model = UNet3d.from_config(cfg, n_classes).to(device)

@@ -20,6 +20,7 @@ Backward passes on the gather kernels:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .bias_grad import bias_grad
 from .common import triton_usable
@@ -28,6 +29,7 @@ from .conv_box import (box_channels, box_operands, box_supported, conv_box, conv
 from .conv_bwd_weight import conv_weight_grad
 from .conv_fwd import conv_gather
 from .conv_transpose import conv_transpose_scatter
+from .routes import conv_route
 from .tiles import conv_tile
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -143,48 +145,94 @@ def conv_transpose3d_backward_weight(dy, x, w_shape, dtype, out=None):
     return conv_weight_grad(x, dy, out, k, k, (0, 0, 0), (1, 1, 1), tile)
 
 
+# Which directions run on Triton: (forward, backward-data, backward-weight). The `triton` rung runs all
+# three; the `routed` rung takes a measured route per shape (routes.py), the rest on cuDNN.
+ALL_TRITON = (True, True, True)
+
+
+def _vendor_backward(dy, x, w, has_bias, stride, padding, dilation, transposed, mask):
+    """ATen's convolution backward (cuDNN on CUDA, under the process's determinism flags): (dx, dw, db)
+    for the directions in `mask`."""
+    bias_sizes = [w.shape[1] if transposed else w.shape[0]] if has_bias else None
+    return torch.ops.aten.convolution_backward(dy, x, w, bias_sizes, stride, padding, dilation, transposed,
+                                               (0, 0, 0), 1, mask)
+
+
 class _Conv3dFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, stride, padding, dilation):
+    def forward(ctx, x, w, bias, stride, padding, dilation, route):
         w = channels_last_weight(w)
+        if route[0]:
+            y = conv3d_forward(x, w, bias, stride, padding, dilation)
+        else:
+            y = F.conv3d(x, w, bias, stride, padding, dilation)
         ctx.save_for_backward(x, w)
         ctx.geometry = (stride, padding, dilation)
+        ctx.route = route
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return conv3d_forward(x, w, bias, stride, padding, dilation)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         stride, padding, dilation = ctx.geometry
+        route = ctx.route
         dx = dw = db = None
+        want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[0]:
-            dx = conv3d_backward_data(dy, w, x.shape, stride, padding, dilation)
-        if ctx.needs_input_grad[1]:
-            dw = conv3d_backward_weight(dy, x, w.shape, w.dtype, stride, padding, dilation)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = bias_grad(dy, ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+            if route[1]:
+                dx = conv3d_backward_data(dy, w, x.shape, stride, padding, dilation)
+            else:
+                dx = _vendor_backward(dy, x, w, False, stride, padding, dilation, False,
+                                      [True, False, False])[0]
+        if route[2]:
+            if ctx.needs_input_grad[1]:
+                dw = conv3d_backward_weight(dy, x, w.shape, w.dtype, stride, padding, dilation)
+            if want_db:
+                db = bias_grad(dy, ctx.bias_dtype)
+        elif ctx.needs_input_grad[1] or want_db:
+            _, dw, db = _vendor_backward(dy, x, w, want_db, stride, padding, dilation, False,
+                                         [False, ctx.needs_input_grad[1], want_db])
+            db = None if db is None else db.to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None
 
 
 class _ConvTranspose3dFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias):
+    def forward(ctx, x, w, bias, route):
         w = channels_last_weight(w)
+        if route[0]:
+            y = conv_transpose3d_forward(x, w, bias)
+        else:
+            y = F.conv_transpose3d(x, w, bias, stride=tuple(w.shape[2:]))
         ctx.save_for_backward(x, w)
+        ctx.route = route
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return conv_transpose3d_forward(x, w, bias)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
+        route = ctx.route
+        k = tuple(w.shape[2:])
+        geometry = (k, (0, 0, 0), (1, 1, 1))
         dx = dw = db = None
+        want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[0]:
-            dx = conv_transpose3d_backward_data(dy, w, x.shape)
-        if ctx.needs_input_grad[1]:
-            dw = conv_transpose3d_backward_weight(dy, x, w.shape, w.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = bias_grad(dy, ctx.bias_dtype)
-        return dx, dw, db
+            if route[1]:
+                dx = conv_transpose3d_backward_data(dy, w, x.shape)
+            else:
+                dx = _vendor_backward(dy, x, w, False, *geometry, True, [True, False, False])[0]
+        if route[2]:
+            if ctx.needs_input_grad[1]:
+                dw = conv_transpose3d_backward_weight(dy, x, w.shape, w.dtype)
+            if want_db:
+                db = bias_grad(dy, ctx.bias_dtype)
+        elif ctx.needs_input_grad[1] or want_db:
+            _, dw, db = _vendor_backward(dy, x, w, want_db, *geometry, True,
+                                         [False, ctx.needs_input_grad[1], want_db])
+            db = None if db is None else db.to(ctx.bias_dtype)
+        return dx, dw, db, None
 
 
 def _autocast_inputs(x, w, bias):
@@ -197,26 +245,39 @@ def _autocast_inputs(x, w, bias):
     return cast(x), cast(w), cast(bias), True
 
 
-def conv3d(x, weight, bias, stride, padding, dilation) -> torch.Tensor:
-    """F.conv3d(x, weight, bias, stride, padding, dilation) on the Triton rung (groups = 1)."""
+def conv3d(x, weight, bias, stride, padding, dilation, route=ALL_TRITON) -> torch.Tensor:
+    """F.conv3d(x, weight, bias, stride, padding, dilation) on the Triton rung (groups = 1); `route`
+    says which directions run on Triton (the others on ATen/cuDNN)."""
     x, weight, bias, autocast_on = _autocast_inputs(x, weight, bias)
     geometry = (tuple(stride), tuple(padding), tuple(dilation))
     if not autocast_on:
-        return _Conv3dFn.apply(x, weight, bias, *geometry)
+        return _Conv3dFn.apply(x, weight, bias, *geometry, tuple(route))
     with torch.autocast(x.device.type, enabled=False):
-        return _Conv3dFn.apply(x, weight, bias, *geometry)
+        return _Conv3dFn.apply(x, weight, bias, *geometry, tuple(route))
 
 
-def conv_transpose3d(x, weight, bias, stride) -> torch.Tensor:
+def conv_transpose3d(x, weight, bias, stride, route=ALL_TRITON) -> torch.Tensor:
     """F.conv_transpose3d(x, weight, bias, stride) for kernel == stride, padding 0, output_padding 0."""
     if tuple(weight.shape[2:]) != tuple(stride):
         raise ValueError(f"conv_transpose3d: kernel {tuple(weight.shape[2:])} must equal stride "
                          f"{tuple(stride)}")
     x, weight, bias, autocast_on = _autocast_inputs(x, weight, bias)
     if not autocast_on:
-        return _ConvTranspose3dFn.apply(x, weight, bias)
+        return _ConvTranspose3dFn.apply(x, weight, bias, tuple(route))
     with torch.autocast(x.device.type, enabled=False):
-        return _ConvTranspose3dFn.apply(x, weight, bias)
+        return _ConvTranspose3dFn.apply(x, weight, bias, tuple(route))
+
+
+def conv3d_routed(x, weight, bias, stride, padding, dilation) -> torch.Tensor:
+    """conv3d with each direction on the rung its measured route names (routes.py)."""
+    return conv3d(x, weight, bias, stride, padding, dilation,
+                  conv_route(x, weight, stride, padding, dilation) or ALL_TRITON)
+
+
+def conv_transpose3d_routed(x, weight, bias, stride) -> torch.Tensor:
+    """conv_transpose3d with each direction on the rung its measured route names (routes.py)."""
+    route = conv_route(x, weight, stride, (0, 0, 0), (1, 1, 1), transposed=True)
+    return conv_transpose3d(x, weight, bias, stride, route or ALL_TRITON)
 
 
 def _common_ok(x, weight, bias, groups) -> bool:
@@ -255,3 +316,19 @@ def conv_transpose3d_supported(x, weight, bias, stride, padding, output_padding,
         return False
     return (tuple(weight.shape[2:]) == tuple(stride) and tuple(padding) == (0, 0, 0)
             and tuple(output_padding) == (0, 0, 0) and tuple(dilation) == (1, 1, 1))
+
+
+def conv3d_routed_supported(x, weight, bias, stride, padding, dilation, groups) -> bool:
+    """True when the `routed` rung takes this call: Triton supports it and a measured route sends at
+    least one of its directions to Triton."""
+    route = conv_route(x, weight, stride, padding, dilation)
+    return route is not None and any(route) and conv3d_supported(x, weight, bias, stride, padding,
+                                                                  dilation, groups)
+
+
+def conv_transpose3d_routed_supported(x, weight, bias, stride, padding, output_padding, groups,
+                                      dilation) -> bool:
+    """conv_transpose3d's counterpart of conv3d_routed_supported."""
+    route = conv_route(x, weight, stride, padding, dilation, transposed=True)
+    return route is not None and any(route) and conv_transpose3d_supported(
+        x, weight, bias, stride, padding, output_padding, groups, dilation)

@@ -7,9 +7,12 @@ unavailable. Other rungs can be registered (the tests register fakes).
 
 Which rung a call takes is a pure function of (device, dtype, shape, config): `select_rung`. It never
 depends on a timing race, so the bits a run produces do not depend on it either. Settings per kind:
-  auto   - `triton` when the tensor is on CUDA and the rung is registered and supports the call, else vendor
-           (on the CPU auto is always vendor: the Triton interpreter is for tests, which force `triton`)
+  auto   - on CUDA the kind's AUTO_RUNG when it is registered and supports the call, else vendor (on the
+           CPU auto is always vendor: the Triton interpreter is for tests, which force a rung). That is
+           `triton` for GroupNorm and concat, and `routed` for the convolutions: per measured shape,
+           each direction on whichever of Triton and deterministic cuDNN was faster
   triton - `triton` where supported, vendor otherwise (a module warns once when it cannot honour this)
+  routed - (convolutions) the per-direction routes, also on the CPU under the interpreter
   vendor - always vendor
 A rung that raises (typically a compile failure) makes its module warn once, switch to vendor for good
 and record the failure; the call is re-run on vendor.
@@ -81,20 +84,25 @@ def get_rung(op: str, name: str) -> Optional[Rung]:
     return _REGISTRY[op].get(name)
 
 
-# Whether `auto` takes the Triton rung on CUDA, per operator kind. This follows the measurements in
-# docs/performance.md: our GroupNorm and concat kernels beat ATen, but the Triton convolutions do not yet
-# beat cuDNN (H200, scale 7: 74 ms against 22.5 ms over every conv site and direction), so `auto` keeps
-# convolutions on cuDNN (deterministic algorithms) until they do. `ladder.conv=triton` forces them.
-AUTO_TAKES_FAST = {"conv": False, "conv_transpose": False, "group_norm": True, "concat": True}
+# The rung `auto` takes on CUDA, per operator kind (None: vendor). This follows the measurements in
+# docs/performance.md: our GroupNorm and concat kernels beat ATen; for convolutions neither side wins
+# every site and direction, so `auto` runs `routed`: per measured shape, each of forward,
+# backward-data and backward-weight on whichever of Triton and deterministic cuDNN was faster
+# (scaffold/kernels/routes.py); unmeasured shapes stay on vendor. `ladder.conv=triton` forces the
+# Triton kernels for every direction.
+ROUTED = "routed"
+AUTO_RUNG = {"conv": ROUTED, "conv_transpose": ROUTED, "group_norm": FAST, "concat": FAST}
 
 
 def select_rung(op: str, setting: str, device: torch.device, args: tuple) -> str:
     """The rung a call takes: a pure function of the device, the arguments' metadata and the setting."""
     if setting == VENDOR:
         return VENDOR
-    name = FAST if setting == AUTO else setting
-    if setting == AUTO and (device.type != "cuda" or not AUTO_TAKES_FAST.get(op, True)):
-        return VENDOR
+    name = setting
+    if setting == AUTO:
+        name = AUTO_RUNG.get(op, FAST)
+        if device.type != "cuda" or name is None:
+            return VENDOR
     rung = _REGISTRY[op].get(name)
     if rung is None or not rung.supports(*args):
         return VENDOR
@@ -135,6 +143,11 @@ def _register_triton_rungs() -> None:
         "scaffold.kernels.conv", "conv3d", "conv3d_supported", lambda a: a[:6], keep)
     _REGISTRY["conv_transpose"][FAST] = _lazy_rung(
         "scaffold.kernels.conv", "conv_transpose3d", "conv_transpose3d_supported", lambda a: a[:4], keep)
+    _REGISTRY["conv"][ROUTED] = _lazy_rung(
+        "scaffold.kernels.conv", "conv3d_routed", "conv3d_routed_supported", lambda a: a[:6], keep)
+    _REGISTRY["conv_transpose"][ROUTED] = _lazy_rung(
+        "scaffold.kernels.conv", "conv_transpose3d_routed", "conv_transpose3d_routed_supported",
+        lambda a: a[:4], keep)
     _REGISTRY["group_norm"][FAST] = _lazy_rung(
         "scaffold.kernels.groupnorm", "group_norm", "group_norm_supported", lambda a: a[:6], lambda a: a[:4],
         forward_kwargs=lambda a: {"out_dtype": a[6]})

@@ -1,0 +1,63 @@
+"""Per-direction routes of the `routed` convolution rung (what `ladder.conv=auto` runs on CUDA).
+
+A conv site has three kernels per step: forward, backward-data and backward-weight (with the bias
+gradient). For each *measured* shape this table says which of them run our Triton kernels and which
+cuDNN with deterministic algorithms (through ATen, as the vendor rung runs them in training), so that
+`auto` takes the faster of the two per direction. Both sides are deterministic, and the route is a
+table lookup on (arch, dtype, op, channels, geometry, spatial size), never a timing race at run time,
+so a run's bits depend only on (device, dtype, shape) as before. A shape not in the table is not
+routed: `auto` runs it all on vendor (`ladder.conv=triton` forces every direction onto Triton).
+
+`scripts/tune_routes.py` times both sides per site and direction on the GPU the table is for and
+rewrites the ROUTES block below. Keys: arch|dtype|op|cin>cout|geometry|DxHxW of the conv's input
+(batch excluded: the routes were measured at batch 1); values: the rung of forward, backward-data and
+backward-weight.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .common import arch_key
+from .tiles import dtype_key
+
+TRITON = "triton"
+VENDOR = "vendor"
+
+# BEGIN ROUTES (written by scripts/tune_routes.py; values: forward, backward-data, backward-weight)
+ROUTES: dict[str, tuple[str, str, str]] = {
+}
+# END ROUTES
+
+
+def _dims(v: Sequence[int]) -> str:
+    """'3' for an isotropic triple, '3x3x1' otherwise."""
+    v = [int(a) for a in v]
+    return str(v[0]) if len(set(v)) == 1 else "x".join(map(str, v))
+
+
+def route_key(arch: str, dtype: torch.dtype, op: str, cin: int, cout: int, kernel: Sequence[int],
+              stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+              spatial: Sequence[int]) -> str:
+    """The table key of one conv call: op is 'conv' or 'convT'; `spatial` is the input's (D, H, W)."""
+    geometry = f"k{_dims(kernel)}s{_dims(stride)}p{_dims(padding)}d{_dims(dilation)}"
+    return (f"{arch}|{dtype_key(dtype)}|{op}|{cin}>{cout}|{geometry}|"
+            + "x".join(str(int(s)) for s in spatial))
+
+
+def conv_route(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
+               transposed: bool = False) -> Optional[tuple[bool, bool, bool]]:
+    """(forward, backward-data, backward-weight) on Triton? for this call, or None when its shape was
+    never measured. The dtype is the one the conv computes in (autocast's, when it is on). Metadata
+    only: no host sync."""
+    kind = x.device.type
+    autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    dtype = torch.get_autocast_dtype(kind) if autocast else x.dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    cin, cout = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+    key = route_key(arch_key(x.device), dtype, "convT" if transposed else "conv", cin, cout,
+                    weight.shape[2:], stride, padding, dilation, x.shape[2:])
+    entry = ROUTES.get(key)
+    return None if entry is None else tuple(rung == TRITON for rung in entry)

@@ -1,0 +1,134 @@
+"""Offline tuner for the conv routes (scaffold/kernels/routes.py): run on the GPU the table is for.
+
+    python scripts/tune_routes.py --scale 7,8 [--reps 3] [--margin 0.02] [--out routes.json] [--write]
+
+For every distinct conv site of the model and each direction (forward, backward-data,
+backward-weight with the bias gradient) it times our Triton launchers and cuDNN restricted to
+deterministic algorithms without search (what the vendor rung runs in training) on the same bf16
+NDHWC operands, `--reps` rounds interleaved, and takes the median per side. A direction goes to
+Triton when its median is below (1 - margin) × cuDNN's, else to vendor; a direction whose Triton
+call failed goes to vendor. --write rewrites the ROUTES block of routes.py (temp file + rename),
+keeping the keys this run did not measure; the run-time path never times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tune_conv import rewrite_block  # noqa: E402
+
+from scaffold.bench.conv import DIRECTIONS, bench_site, distinct_sites, model_sites  # noqa: E402
+from scaffold.kernels import routes  # noqa: E402
+from scaffold.kernels.common import arch_key  # noqa: E402
+
+SIDES = ("triton", "cudnn_det")
+
+
+def site_key(site, arch: str = "", dtype: torch.dtype = torch.bfloat16) -> str:
+    """The routes.py key of a model site (batch excluded) on `arch` (default: this GPU's)."""
+    arch = arch or arch_key(torch.device("cuda"))
+    e = (site.edge,) * 3
+    if site.kind == "convT":
+        return routes.route_key(arch, dtype, "convT", site.cin, site.cout, (site.k,) * 3,
+                                (2, 2, 2), (0, 0, 0), (1, 1, 1), e)
+    return routes.route_key(arch, dtype, "conv", site.cin, site.cout, (site.k,) * 3,
+                            (1, 1, 1), (site.pad,) * 3, (1, 1, 1), e)
+
+
+def choose(t_ms, v_ms, margin: float) -> str:
+    """Triton when it ran and beat cuDNN by the margin (or cuDNN failed), else vendor."""
+    if t_ms is None:
+        return routes.VENDOR
+    if v_ms is None:
+        return routes.TRITON
+    return routes.TRITON if t_ms < (1.0 - margin) * v_ms else routes.VENDOR
+
+
+def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = False,
+         log=print) -> tuple[dict, dict]:
+    """Returns (routes {key: (fwd, bwd_data, bwd_weight)}, report with the medians and totals).
+    `baseline` also times cuDNN with algorithm search (`cudnn`), for the report only."""
+    sides = SIDES + (("cudnn",) if baseline else ())
+    torch.backends.cudnn.benchmark = True  # the `cudnn` side; `cudnn_det` runs under its own flags
+    table, rows = {}, []
+    totals = {s: 0.0 for s in sides + ("routed",)}
+    for site, count in distinct_sites(model_sites(scale)):
+        if names and not any(n in site.name for n in names):
+            continue
+        runs = [bench_site(site, rungs=sides) for _ in range(reps)]
+        med = {}
+        for side in sides:
+            for d in DIRECTIONS:
+                vals = [r[f"{side}_{d}_ms"] for r in runs if r.get(f"{side}_{d}_ms") is not None]
+                med[f"{side}_{d}"] = statistics.median(vals) if vals else None
+        route = tuple(choose(med[f"triton_{d}"], med[f"cudnn_det_{d}"], margin) for d in DIRECTIONS)
+        key = site_key(site)
+        table[key] = route
+        for side in sides:
+            totals[side] += count * sum(med[f"{side}_{d}"] or 0.0 for d in DIRECTIONS)
+        chosen = [med[f"{'triton' if r == routes.TRITON else 'cudnn_det'}_{d}"] for r, d in
+                  zip(route, DIRECTIONS)]
+        totals["routed"] += count * sum(c or 0.0 for c in chosen)
+        rows.append({"site": site.name, "count": count, "key": key, "route": route, "median_ms": med})
+        log(f"{site.name[:24]:24s} x{count} " + " | ".join(
+            f"{d[:6]} {_ms(med[f'triton_{d}'])}/{_ms(med[f'cudnn_det_{d}'])} -> {r}"
+            for d, r in zip(DIRECTIONS, route)))
+        torch.cuda.empty_cache()
+    log(f"scale {scale}, count-weighted ms: " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items())
+        + " (routed: the chosen side's median, from the same timings that chose it)")
+    return table, {"scale": scale, "reps": reps, "margin": margin, "rows": rows, "totals_ms": totals}
+
+
+def _ms(v) -> str:
+    return "  n/a " if v is None else f"{v:6.3f}"
+
+
+def write_routes(table: dict, path: str) -> None:
+    body = "".join(f'    "{k}": {tuple(v)},\n' for k, v in sorted(table.items()))
+    rewrite_block(path, "ROUTES", body)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", default="7", help="comma-separated scales, e.g. 7,8")
+    p.add_argument("--sites", default="", help="comma-separated substrings of site names")
+    p.add_argument("--reps", type=int, default=3, help="interleaved rounds; the median is kept")
+    p.add_argument("--margin", type=float, default=0.02,
+                   help="Triton must be this fraction faster than cuDNN to take a direction")
+    p.add_argument("--out", default="", help="write the routes and timings as JSON here")
+    p.add_argument("--write", action="store_true", help="rewrite the ROUTES block of routes.py")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time cuDNN with algorithm search, for the report")
+    args = p.parse_args(argv)
+    try:
+        scales = [int(s) for s in args.scale.split(",") if s]
+    except ValueError:
+        p.error(f"--scale={args.scale!r}: expected comma-separated integers such as 7,8")
+    if args.reps < 1 or not 0.0 <= args.margin < 1.0:
+        p.error("--reps must be >= 1 and --margin in [0, 1)")
+    if not torch.cuda.is_available():
+        print("tune_routes: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    names = [n for n in args.sites.split(",") if n] or None
+    table, reports = {}, []
+    for scale in scales:
+        t, report = tune(scale, args.reps, args.margin, names, args.baseline)
+        table.update(t)
+        reports.append(report)
+    if args.out:
+        from scaffold.bench import write_json
+
+        write_json(args.out, {"device": torch.cuda.get_device_name(), "routes": table, "reports": reports})
+    if args.write:  # keys not measured in this run keep their routes
+        write_routes({**routes.ROUTES, **table}, routes.__file__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

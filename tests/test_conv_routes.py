@@ -1,0 +1,74 @@
+"""The conv route table: the tuner writes the keys the model's sites look up, and its block rewrite."""
+import ast
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+
+from scaffold.bench.conv import model_sites
+from scaffold.kernels import routes
+from scaffold.model import UNet3d
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tuner():
+    spec = importlib.util.spec_from_file_location("tune_routes", os.path.join(ROOT, "scripts",
+                                                                              "tune_routes.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Recorder(dict):
+    def __init__(self):
+        super().__init__()
+        self.asked = set()
+
+    def get(self, key, default=None):
+        self.asked.add(key)
+        return super().get(key, default)
+
+
+@pytest.mark.filterwarnings("ignore::scaffold.model.ladder.LadderWarning")  # unrouted: vendor
+def test_tuner_keys_are_the_keys_the_model_looks_up(monkeypatch):
+    """Every conv site of a U-Net on the `routed` rung asks routes.py for exactly the key the tuner
+    writes for that site (a mismatch would silently leave every site on vendor)."""
+    tuner = _tuner()
+    recorder = _Recorder()
+    monkeypatch.setattr(routes, "ROUTES", recorder)
+    ladder = type("L", (), {"conv": "routed", "conv_transpose": "routed", "group_norm": "vendor",
+                            "concat": "vendor"})()
+    model = UNet3d(5, bottleneck=2, base_width=8, groups=2, n_classes=6, ladder=ladder)
+    with torch.no_grad():
+        model(torch.zeros(1, 3, 32, 32, 32))
+    expected = {tuner.site_key(s, "cpu", torch.float32)
+                for s in model_sites(5, base=8, bottleneck=2, classes=6)}
+    assert recorder.asked == expected
+    assert len(expected) == 15  # 18 sites; up1b, up2b, up3b repeat inc2, down1b, down2b
+
+
+def test_choose_takes_triton_only_when_faster_by_the_margin():
+    tuner = _tuner()
+    assert tuner.choose(0.90, 1.0, 0.02) == "triton"
+    assert tuner.choose(0.99, 1.0, 0.02) == "vendor"
+    assert tuner.choose(None, 1.0, 0.02) == "vendor"
+    assert tuner.choose(1.0, None, 0.02) == "triton"
+
+
+def test_write_routes_rewrites_only_the_block(tmp_path):
+    tuner = _tuner()
+    path = tmp_path / "routes.py"
+    shutil.copy(routes.__file__, path)
+    before = path.read_text()
+    table = {"sm90|bf16|conv|64>64|k3s1p1d1|128x128x128": ("triton", "vendor", "triton")}
+    tuner.write_routes(table, str(path))
+    after = path.read_text()
+    assert '"sm90|bf16|conv|64>64|k3s1p1d1|128x128x128": (\'triton\', \'vendor\', \'triton\'),' in after
+    head, tail = before.split("# BEGIN ROUTES")[0], before.split("# END ROUTES")[1]
+    assert after.startswith(head) and after.endswith(tail)
+    block = after.split("# BEGIN ROUTES")[1].split("= {", 1)[1].split("}\n# END ROUTES")[0]
+    assert ast.literal_eval("{" + block + "}") == table
+    assert list(tmp_path.iterdir()) == [path]  # no temp file left behind
