@@ -15,6 +15,7 @@ backward-weight.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -37,6 +38,7 @@ def _dims(v: Sequence[int]) -> str:
     return str(v[0]) if len(set(v)) == 1 else "x".join(map(str, v))
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of its (hashable) arguments; called per conv call
 def route_key(arch: str, dtype: torch.dtype, op: str, cin: int, cout: int, kernel: Sequence[int],
               stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
               spatial: Sequence[int]) -> str:
@@ -58,6 +60,7 @@ def conv_route(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
         return None
     cin, cout = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
     key = route_key(arch_key(x.device), dtype, "convT" if transposed else "conv", cin, cout,
-                    weight.shape[2:], stride, padding, dilation, x.shape[2:])
+                    tuple(weight.shape[2:]), tuple(stride), tuple(padding), tuple(dilation),
+                    tuple(x.shape[2:]))
     entry = ROUTES.get(key)
     return None if entry is None else tuple(rung == TRITON for rung in entry)
