@@ -150,12 +150,27 @@ def conv_transpose3d_backward_weight(dy, x, w_shape, dtype, out=None):
 ALL_TRITON = (True, True, True)
 
 
-def _vendor_backward(dy, x, w, has_bias, stride, padding, dilation, transposed, mask):
-    """ATen's convolution backward (cuDNN on CUDA, under the process's determinism flags): (dx, dw, db)
-    for the directions in `mask`."""
-    bias_sizes = [w.shape[1] if transposed else w.shape[0]] if has_bias else None
-    return torch.ops.aten.convolution_backward(dy, x, w, bias_sizes, stride, padding, dilation, transposed,
-                                               (0, 0, 0), 1, mask)
+def _backward(ctx, dy, x, w, geometry, transposed, triton_dx, triton_dw):
+    """(dx, dw, db) of a conv or transposed conv: the directions its route sends to Triton through
+    `triton_dx()` / `triton_dw()` (and our bias reduction), the others in one call of ATen's
+    convolution backward (cuDNN on CUDA, under the process's determinism flags)."""
+    route = ctx.route
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    mask = [need_dx and not route[1], need_dw and not route[2], need_db and not route[2]]
+    dx = dw = db = None
+    if any(mask):
+        bias_sizes = [w.shape[1] if transposed else w.shape[0]] if mask[2] else None
+        dx, dw, db = torch.ops.aten.convolution_backward(dy, x, w, bias_sizes, *geometry, transposed,
+                                                         (0, 0, 0), 1, mask)
+        db = None if db is None else db.to(ctx.bias_dtype)
+    if need_dx and route[1]:
+        dx = triton_dx()
+    if need_dw and route[2]:
+        dw = triton_dw()
+    if need_db and route[2]:
+        db = bias_grad(dy, ctx.bias_dtype)
+    return dx, dw, db
 
 
 class _Conv3dFn(torch.autograd.Function):
@@ -175,25 +190,10 @@ class _Conv3dFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        stride, padding, dilation = ctx.geometry
-        route = ctx.route
-        dx = dw = db = None
-        want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        if ctx.needs_input_grad[0]:
-            if route[1]:
-                dx = conv3d_backward_data(dy, w, x.shape, stride, padding, dilation)
-            else:
-                dx = _vendor_backward(dy, x, w, False, stride, padding, dilation, False,
-                                      [True, False, False])[0]
-        if route[2]:
-            if ctx.needs_input_grad[1]:
-                dw = conv3d_backward_weight(dy, x, w.shape, w.dtype, stride, padding, dilation)
-            if want_db:
-                db = bias_grad(dy, ctx.bias_dtype)
-        elif ctx.needs_input_grad[1] or want_db:
-            _, dw, db = _vendor_backward(dy, x, w, want_db, stride, padding, dilation, False,
-                                         [False, ctx.needs_input_grad[1], want_db])
-            db = None if db is None else db.to(ctx.bias_dtype)
+        g = ctx.geometry
+        dx, dw, db = _backward(ctx, dy, x, w, g, False,
+                               lambda: conv3d_backward_data(dy, w, x.shape, *g),
+                               lambda: conv3d_backward_weight(dy, x, w.shape, w.dtype, *g))
         return dx, dw, db, None, None, None, None
 
 
@@ -213,25 +213,10 @@ class _ConvTranspose3dFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        route = ctx.route
-        k = tuple(w.shape[2:])
-        geometry = (k, (0, 0, 0), (1, 1, 1))
-        dx = dw = db = None
-        want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        if ctx.needs_input_grad[0]:
-            if route[1]:
-                dx = conv_transpose3d_backward_data(dy, w, x.shape)
-            else:
-                dx = _vendor_backward(dy, x, w, False, *geometry, True, [True, False, False])[0]
-        if route[2]:
-            if ctx.needs_input_grad[1]:
-                dw = conv_transpose3d_backward_weight(dy, x, w.shape, w.dtype)
-            if want_db:
-                db = bias_grad(dy, ctx.bias_dtype)
-        elif ctx.needs_input_grad[1] or want_db:
-            _, dw, db = _vendor_backward(dy, x, w, want_db, *geometry, True,
-                                         [False, ctx.needs_input_grad[1], want_db])
-            db = None if db is None else db.to(ctx.bias_dtype)
+        geometry = (tuple(w.shape[2:]), (0, 0, 0), (1, 1, 1))  # stride = kernel
+        dx, dw, db = _backward(ctx, dy, x, w, geometry, True,
+                               lambda: conv_transpose3d_backward_data(dy, w, x.shape),
+                               lambda: conv_transpose3d_backward_weight(dy, x, w.shape, w.dtype))
         return dx, dw, db, None
 
 
