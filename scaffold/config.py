@@ -125,6 +125,7 @@ class Config:
 
 
 RUNGS = ("auto", "triton", "vendor")
+CONV_RUNGS = ("auto", "routed", "triton", "vendor")  # routed: per-direction routes (kernels/routes.py)
 DETERMINISM_MODES = ("default", "strict", "off")
 PRECISIONS = ("auto", "bf16", "fp32")
 
@@ -188,7 +189,8 @@ def validate(cfg: Any) -> None:
     _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)
     for key in ("conv", "conv_transpose", "group_norm", "concat", "loss"):
         value = getattr(cfg.ladder, key)
-        _need(value in RUNGS, f"ladder.{key}", " | ".join(RUNGS), value)
+        allowed = CONV_RUNGS if key in ("conv", "conv_transpose") else RUNGS
+        _need(value in allowed, f"ladder.{key}", " | ".join(allowed), value)
     o = cfg.optim
     _need(o.grad_clip >= 0, "optim.grad_clip", "a number >= 0 (0 disables)", o.grad_clip)
     _need(o.t0 > 0, "optim.t0", "a positive integer", o.t0)
