@@ -51,9 +51,10 @@ def choose(t_ms, v_ms, margin: float) -> str:
 
 
 def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = False,
-         log=print) -> tuple[dict, dict]:
+         log=print, on_site=None) -> tuple[dict, dict]:
     """Returns (routes {key: (fwd, bwd_data, bwd_weight)}, report with the medians and totals).
-    `baseline` also times cuDNN with algorithm search (`cudnn`), for the report only."""
+    `baseline` also times cuDNN with algorithm search (`cudnn`), for the report only. `on_site(table,
+    report)` is called after each site with the results so far (so a run cut short keeps them)."""
     sides = SIDES + (("cudnn",) if baseline else ())
     torch.backends.cudnn.benchmark = True  # the `cudnn` side; `cudnn_det` runs under its own flags
     table, rows = {}, []
@@ -80,6 +81,8 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
             f"{d[:6]} {_ms(med[f'triton_{d}'])}/{_ms(med[f'cudnn_det_{d}'])} -> {r}"
             for d, r in zip(DIRECTIONS, route)))
         torch.cuda.empty_cache()
+        if on_site is not None:
+            on_site(table, {"scale": scale, "rows": rows, "totals_ms": totals, "partial": True})
     log(f"scale {scale}, count-weighted ms: " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items())
         + " (routed: the chosen side's median, from the same timings that chose it)")
     return table, {"scale": scale, "reps": reps, "margin": margin, "rows": rows, "totals_ms": totals}
@@ -117,16 +120,22 @@ def main(argv=None) -> int:
         return 2
     names = [n for n in args.sites.split(",") if n] or None
     table, reports = {}, []
+
+    def save(new: dict, partial=None) -> None:
+        """Write what is measured so far (after every site: a run cut short keeps its results)."""
+        if args.out:
+            from scaffold.bench import write_json
+
+            write_json(args.out, {"device": torch.cuda.get_device_name(), "routes": {**table, **new},
+                                  "reports": reports + ([partial] if partial else [])})
+        if args.write:  # keys not measured in this run keep their routes
+            write_routes({**routes.ROUTES, **table, **new}, routes.__file__)
+
     for scale in scales:
-        t, report = tune(scale, args.reps, args.margin, names, args.baseline)
+        t, report = tune(scale, args.reps, args.margin, names, args.baseline, on_site=save)
         table.update(t)
         reports.append(report)
-    if args.out:
-        from scaffold.bench import write_json
-
-        write_json(args.out, {"device": torch.cuda.get_device_name(), "routes": table, "reports": reports})
-    if args.write:  # keys not measured in this run keep their routes
-        write_routes({**routes.ROUTES, **table}, routes.__file__)
+    save({})
     return 0
 
 
