@@ -92,17 +92,22 @@ TRITON_CONVS = ["scale=5", "model.bottleneck=3", "model.base_width=16", "model.g
                 "epochs=2", "warmup_steps=1", "ladder.conv=triton", "ladder.conv_transpose=triton"]
 
 
-def test_training_on_triton_convs_gives_the_same_bits_twice(cache, tmp_path):
+def _train_twice_same_bits(cache, tmp_path, cfg) -> dict:
+    """Two runs of `cfg`: same CSV (but wall clock) and same parameters; returns the first's census."""
     runs = [tmp_path / "a", tmp_path / "b"]
     for run_dir in runs:
         run_dir.mkdir()
-        worker.run(tiny_cfg(cache, *TRITON_CONVS), run_dir)
-    census = json.loads((runs[0] / "census.json").read_text())
+        worker.run(tiny_cfg(cache, *cfg), run_dir)
+    assert stable_rows(runs[0] / "train_stats.csv") == stable_rows(runs[1] / "train_stats.csv")
+    assert same_params(params(runs[0]), params(runs[1]))
+    return json.loads((runs[0] / "census.json").read_text())
+
+
+def test_training_on_triton_convs_gives_the_same_bits_twice(cache, tmp_path):
+    census = _train_twice_same_bits(cache, tmp_path, TRITON_CONVS)
     # Every conv site really ran on Triton: no fallback to cuDNN.
     assert census["conv"] == {"triton": 11} and census["conv_transpose"] == {"triton": 2}, census
     assert census["fallbacks"] == []
-    assert stable_rows(runs[0] / "train_stats.csv") == stable_rows(runs[1] / "train_stats.csv")
-    assert same_params(params(runs[0]), params(runs[1]))
 
 
 def _mixed_route(x, weight, stride, padding, dilation, transposed=False):
@@ -117,13 +122,6 @@ def test_training_on_routed_convs_gives_the_same_bits_twice(cache, tmp_path, mon
     """`auto` on CUDA runs the convolutions `routed`: directions split between Triton and
     deterministic cuDNN per shape. Two runs give the same bits, and every site ran routed."""
     monkeypatch.setattr("scaffold.kernels.conv.conv_route", _mixed_route)
-    cfg = [a for a in TRITON_CONVS if not a.startswith("ladder.")]
-    runs = [tmp_path / "a", tmp_path / "b"]
-    for run_dir in runs:
-        run_dir.mkdir()
-        worker.run(tiny_cfg(cache, *cfg), run_dir)
-    census = json.loads((runs[0] / "census.json").read_text())
+    census = _train_twice_same_bits(cache, tmp_path, [a for a in TRITON_CONVS if not a.startswith("ladder.")])
     assert census["conv"] == {"routed": 11} and census["conv_transpose"] == {"routed": 2}, census
     assert census["fallbacks"] == []
-    assert stable_rows(runs[0] / "train_stats.csv") == stable_rows(runs[1] / "train_stats.csv")
-    assert same_params(params(runs[0]), params(runs[1]))
