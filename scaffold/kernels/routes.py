@@ -28,6 +28,25 @@ VENDOR = "vendor"
 
 # BEGIN ROUTES (written by scripts/tune_routes.py; values: forward, backward-data, backward-weight)
 ROUTES: dict[str, tuple[str, str, str]] = {
+    "sm90|bf16|convT|1024>512|k2s2p0d1|8x8x8": ('triton', 'vendor', 'vendor'),
+    "sm90|bf16|convT|128>64|k2s2p0d1|64x64x64": ('triton', 'vendor', 'vendor'),
+    "sm90|bf16|convT|256>128|k2s2p0d1|32x32x32": ('triton', 'vendor', 'vendor'),
+    "sm90|bf16|convT|512>256|k2s2p0d1|16x16x16": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|1024>1024|k3s1p1d1|8x8x8": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|1024>512|k3s1p1d1|16x16x16": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|128>128|k3s1p1d1|64x64x64": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|128>256|k3s1p1d1|32x32x32": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|128>64|k3s1p1d1|128x128x128": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|256>128|k3s1p1d1|64x64x64": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|256>256|k3s1p1d1|32x32x32": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|256>512|k3s1p1d1|16x16x16": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|3>64|k3s1p1d1|128x128x128": ('triton', 'triton', 'triton'),
+    "sm90|bf16|conv|512>1024|k3s1p1d1|8x8x8": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|512>256|k3s1p1d1|32x32x32": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|512>512|k3s1p1d1|16x16x16": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|64>128|k3s1p1d1|64x64x64": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|64>64|k3s1p1d1|128x128x128": ('vendor', 'vendor', 'triton'),
+    "sm90|bf16|conv|64>6|k1s1p0d1|128x128x128": ('triton', 'triton', 'vendor'),
 }
 # END ROUTES
 
