@@ -165,9 +165,10 @@ def tune(scale: int, names=None, ops=None, log=print) -> dict:
     return table
 
 
-def rewrite_block(path: str, name: str, body: str) -> None:
-    """Replace the body of the generated `NAME: dict[...] = {` ... `}` / `# END NAME` block of a
-    source file, atomically (temp file + rename)."""
+def rewrite_block(path: str, name: str, table: dict) -> None:
+    """Replace the generated `NAME: dict[...] = {` ... `}` / `# END NAME` block of a source file with
+    `table` (one sorted row per key), atomically (temp file + rename)."""
+    body = "".join(f'    "{k}": {tuple(v)},\n' for k, v in sorted(table.items()))
     src = open(path).read()
     pattern = rf"({name}: dict\[[^\n]*\] = \{{\n).*?(\}}\n# END {name})"
     new, n = re.subn(pattern, lambda m: m.group(1) + body + m.group(2), src, flags=re.S)
@@ -181,7 +182,7 @@ def rewrite_block(path: str, name: str, body: str) -> None:
 
 def write_table(table: dict, path: str) -> None:
     """Replace the TABLE block of tiles.py, atomically."""
-    rewrite_block(path, "TABLE", "".join(f'    "{k}": {tuple(v)},\n' for k, v in sorted(table.items())))
+    rewrite_block(path, "TABLE", table)
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,6 @@ keeping the keys this run did not measure; the run-time path never times.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tune_conv import rewrite_block  # noqa: E402
 
+from scaffold.bench import write_json  # noqa: E402
 from scaffold.bench.conv import DIRECTIONS, bench_site, distinct_sites, model_sites  # noqa: E402
 from scaffold.kernels import routes  # noqa: E402
 from scaffold.kernels.common import arch_key  # noqa: E402
@@ -32,13 +32,8 @@ SIDES = ("triton", "cudnn_det")
 
 def site_key(site, arch: str = "", dtype: torch.dtype = torch.bfloat16) -> str:
     """The routes.py key of a model site (batch excluded) on `arch` (default: this GPU's)."""
-    arch = arch or arch_key(torch.device("cuda"))
-    e = (site.edge,) * 3
-    if site.kind == "convT":
-        return routes.route_key(arch, dtype, "convT", site.cin, site.cout, (site.k,) * 3,
-                                (2, 2, 2), (0, 0, 0), (1, 1, 1), e)
-    return routes.route_key(arch, dtype, "conv", site.cin, site.cout, (site.k,) * 3,
-                            (1, 1, 1), (site.pad,) * 3, (1, 1, 1), e)
+    return routes.route_key(arch or arch_key(torch.device("cuda")), dtype, site.kind, site.cin,
+                            site.cout, (site.k,) * 3, *site.geometry, (site.edge,) * 3)
 
 
 def choose(t_ms, v_ms, margin: float) -> str:
@@ -93,8 +88,8 @@ def _ms(v) -> str:
 
 
 def write_routes(table: dict, path: str) -> None:
-    body = "".join(f'    "{k}": {tuple(v)},\n' for k, v in sorted(table.items()))
-    rewrite_block(path, "ROUTES", body)
+    """Replace the ROUTES block of routes.py, atomically."""
+    rewrite_block(path, "ROUTES", table)
 
 
 def main(argv=None) -> int:
@@ -124,8 +119,6 @@ def main(argv=None) -> int:
     def save(new: dict, partial=None) -> None:
         """Write what is measured so far (after every site: a run cut short keeps its results)."""
         if args.out:
-            from scaffold.bench import write_json
-
             write_json(args.out, {"device": torch.cuda.get_device_name(), "routes": {**table, **new},
                                   "reports": reports + ([partial] if partial else [])})
         if args.write:  # keys not measured in this run keep their routes

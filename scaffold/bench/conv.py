@@ -38,6 +38,12 @@ class Site:
     bias: bool
 
     @property
+    def geometry(self) -> tuple:
+        """(stride, padding, dilation) of the site's conv: transposed convs have stride = kernel = 2."""
+        stride = (self.k,) * 3 if self.kind == "convT" else (1, 1, 1)
+        return stride, (self.pad,) * 3, (1, 1, 1)
+
+    @property
     def out_edge(self) -> int:
         return self.edge * 2 if self.kind == "convT" else self.edge
 
@@ -103,8 +109,7 @@ def triton_calls(site: Site, x, w, b, dy) -> dict:
     from scaffold.kernels import conv as K
     from scaffold.kernels.bias_grad import bias_grad
 
-    one = (1, 1, 1)
-    geom = (one, (site.pad,) * 3, one)
+    geom = site.geometry
     if site.kind == "convT":
         return {
             "fwd": lambda: K.conv_transpose3d_forward(x, w, b),
@@ -125,16 +130,15 @@ def vendor_calls(site: Site, x, w, b, dy) -> dict:
     import torch.nn.functional as F
 
     transposed = site.kind == "convT"
-    stride = (2, 2, 2) if transposed else (1, 1, 1)
-    pad = (site.pad,) * 3
+    stride, pad, dilation = site.geometry
     bias_sizes = [site.cout] if b is not None else None
 
     def backward(mask):
         return torch.ops.aten.convolution_backward(
-            dy, x, w, bias_sizes, stride, pad, (1, 1, 1), transposed, (0, 0, 0), 1, mask)
+            dy, x, w, bias_sizes, stride, pad, dilation, transposed, (0, 0, 0), 1, mask)
 
-    fwd = ((lambda: F.conv_transpose3d(x, w, b, stride=2)) if transposed
-           else (lambda: F.conv3d(x, w, b, 1, site.pad)))
+    fwd = ((lambda: F.conv_transpose3d(x, w, b, stride=stride)) if transposed
+           else (lambda: F.conv3d(x, w, b, stride, pad, dilation)))
     return {"fwd": fwd, "bwd_data": lambda: backward([True, False, False]),
             "bwd_weight": lambda: backward([False, True, b is not None])}
 
@@ -196,9 +200,7 @@ def site_route(site: Site, x, w):
     """The measured route of a site (routes.py), None when its shape has none."""
     from scaffold.kernels.routes import conv_route
 
-    if site.kind == "convT":
-        return conv_route(x, w, (2, 2, 2), (0, 0, 0), (1, 1, 1), transposed=True)
-    return conv_route(x, w, (1, 1, 1), (site.pad,) * 3, (1, 1, 1))
+    return conv_route(x, w, *site.geometry, transposed=site.kind == "convT")
 
 
 def bench_site(site: Site, batch: int = 1, rungs=RUNGS) -> dict:
