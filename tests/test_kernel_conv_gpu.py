@@ -42,3 +42,17 @@ def test_bitwise_identical_across_processes():
                            env=env, cwd=ROOT, check=True) for _ in range(2)]
     first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert len(first) == 5 and first == second
+
+
+def test_bench_device_timer_times_every_rung():
+    """bench.conv --timer device: every rung and direction of a site gets a device time from CUDA-graph
+    replays (Triton launchers and cuDNN both capture), and the totals say which timer made them."""
+    from scaffold.bench.conv import DIRECTIONS, RUNGS, bench_model
+
+    res = bench_model(4, names=["head", "up1T"], timer="device", log=lambda line: None)
+    assert res["timer"] == "device" and len(res["rows"]) == 2
+    for row in res["rows"]:
+        for rung in RUNGS:
+            for d in DIRECTIONS:
+                assert row.get(f"{rung}_{d}_error") is None, row.get(f"{rung}_{d}_error")
+                assert 0.0 < row[f"{rung}_{d}_ms"] < 100.0

@@ -1,6 +1,6 @@
 """Benchmark every conv site of the U-Net: Triton kernels against cuDNN, in the same run.
 
-    python -m scaffold.bench.conv --scale 7,8 [--sites stem,head] [--out conv.json]
+    python -m scaffold.bench.conv --scale 7,8 [--sites stem,head] [--timer wall|device] [--out conv.json]
 
 For each site (stem, each 3×3×3 conv, the transposed convs, the 1×1×1 head) and each direction
 (forward, backward-data, backward-weight incl. the bias gradient) it times, on the same bf16 NDHWC
@@ -8,8 +8,10 @@ tensors: the Triton launchers (`triton`), cuDNN with algorithm search (`cudnn`: 
 cuDNN's best), and cuDNN restricted to deterministic algorithms without search (`cudnn_det`: what the
 vendor rung runs in training). `routed` is what `ladder.conv=auto` runs: per direction, the Triton
 time where the measured route (scaffold/kernels/routes.py) takes Triton, else the `cudnn_det` time.
-Medians of triton.testing.do_bench, ratios, TFLOP/s, and per-model totals where each site is weighted
-by how often it occurs in the model. Needs a CUDA GPU.
+Medians of triton.testing.do_bench (`--timer wall`, the default) or of CUDA-graph replays (`--timer
+device`: device time without the host's launch cost, which dominates the small sites as launched from
+Python), ratios, TFLOP/s, and per-model totals where each site is weighted by how often it occurs in
+the model. Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -180,20 +182,31 @@ def check_site(site: Site, batch: int = 1, seed: int = 0, repeats: int = 4) -> d
     return out
 
 
-def time_ms(fn) -> float:
+TIMERS = ("wall", "device")
+
+
+def time_ms(fn, timer: str = "wall") -> float:
+    """Median ms of fn. `wall`: triton.testing.do_bench, launched from Python, so where the device
+    finishes first the host's launch cost is what is timed. `device`: replays of a CUDA graph of fn
+    (scaffold.bench.timing.graph_ms): the device time alone, what a step pays when its host runs
+    ahead. Both clear the L2 before each repetition."""
+    if timer == "device":
+        from scaffold.bench.timing import graph_ms
+
+        return graph_ms(fn, reps=30)
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
-def time_rung(rung: str, fn) -> float:
+def time_rung(rung: str, fn, timer: str = "wall") -> float:
     """do_bench median of fn on one rung: `cudnn_det` under deterministic cuDNN without algorithm
     search (the vendor rung in training), the others under the caller's cuDNN flags."""
     if rung != "cudnn_det":
-        return time_ms(fn)
+        return time_ms(fn, timer)
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True,
                                     allow_tf32=torch.backends.cudnn.allow_tf32):
-        return time_ms(fn)
+        return time_ms(fn, timer)
 
 
 def site_route(site: Site, x, w):
@@ -203,7 +216,7 @@ def site_route(site: Site, x, w):
     return conv_route(x, w, *site.geometry, transposed=site.kind == "convT")
 
 
-def bench_site(site: Site, batch: int = 1, rungs=RUNGS) -> dict:
+def bench_site(site: Site, batch: int = 1, rungs=RUNGS, timer: str = "wall") -> dict:
     x, w, b, dy = site_tensors(site, batch)
     row = {"site": asdict(site), "gflop": site.flops(batch) / 1e9}
     calls = {"triton": triton_calls(site, x, w, b, dy)}
@@ -211,7 +224,7 @@ def bench_site(site: Site, batch: int = 1, rungs=RUNGS) -> dict:
     for d in DIRECTIONS:
         for rung in rungs:
             try:
-                row[f"{rung}_{d}_ms"] = time_rung(rung, calls[rung][d])
+                row[f"{rung}_{d}_ms"] = time_rung(rung, calls[rung][d], timer)
             except Exception as e:  # one failing direction must not lose the rest of the table
                 row[f"{rung}_{d}_ms"] = None
                 row[f"{rung}_{d}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -223,13 +236,14 @@ def bench_site(site: Site, batch: int = 1, rungs=RUNGS) -> dict:
     return row
 
 
-def bench_model(scale: int, names: list[str] | None = None, batch: int = 1, log=print) -> dict:
+def bench_model(scale: int, names: list[str] | None = None, batch: int = 1, log=print,
+                timer: str = "wall") -> dict:
     torch.backends.cudnn.benchmark = True
     rows, totals = [], {f"{r}_{d}": 0.0 for r in COLUMNS for d in DIRECTIONS}
     for site, count in distinct_sites(model_sites(scale)):
         if names and not any(n in site.name for n in names):
             continue
-        row = bench_site(site, batch)
+        row = bench_site(site, batch, timer=timer)
         row["count"] = count
         rows.append(row)
         for key in totals:
@@ -239,7 +253,7 @@ def bench_model(scale: int, names: list[str] | None = None, batch: int = 1, log=
                 totals[key] = None
         log(format_row(row))
         torch.cuda.empty_cache()
-    return {"scale": scale, "rows": rows, "totals_ms": totals}
+    return {"scale": scale, "timer": timer, "rows": rows, "totals_ms": totals}
 
 
 def _fmt(v, spec="7.3f"):
@@ -263,7 +277,8 @@ def format_row(row: dict) -> str:
 
 def format_totals(result: dict) -> str:
     t = result["totals_ms"]
-    lines = [f"scale {result['scale']} totals over every site (count-weighted), ms:"]
+    lines = [f"scale {result['scale']} totals over every site (count-weighted), ms, "
+             f"{result.get('timer', 'wall')} time:"]
     for rung in COLUMNS:
         per = [t.get(f"{rung}_{d}") for d in DIRECTIONS]
         if None in per:
@@ -279,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--scale", default="7", help="comma-separated scales, e.g. 7,8")
     p.add_argument("--sites", default="", help="comma-separated substrings of site names to keep")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--timer", default="wall", choices=TIMERS,
+                   help="wall: do_bench as launched from Python (host launch cost included where "
+                        "it dominates); device: CUDA-graph replays, the device time alone")
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
     try:
@@ -289,7 +307,7 @@ def main(argv=None) -> int:
         print("scaffold.bench.conv: needs a CUDA GPU (cuDNN is the baseline)", file=sys.stderr)
         return 2
     names = [n for n in args.sites.split(",") if n] or None
-    results = [bench_model(s, names, args.batch) for s in scales]
+    results = [bench_model(s, names, args.batch, timer=args.timer) for s in scales]
     for r in results:
         print(format_totals(r))
     if args.out:
