@@ -72,3 +72,18 @@ def test_write_routes_rewrites_only_the_block(tmp_path):
     block = after.split("# BEGIN ROUTES")[1].split("= {", 1)[1].split("}\n# END ROUTES")[0]
     assert ast.literal_eval("{" + block + "}") == table
     assert list(tmp_path.iterdir()) == [path]  # no temp file left behind
+
+
+def test_table_covers_every_site_of_the_measured_models_and_nothing_else():
+    """The H200 table holds exactly the site keys of the default U-Net at scales 7 and 8 (19 and 23
+    distinct shapes): no key the model never asks for (a stale or mistyped key routes nothing), and no
+    site of those models left to the unrouted default."""
+    from scaffold.bench.conv import distinct_sites
+
+    tuner = _tuner()
+    want = {scale: {tuner.site_key(s, "sm90", torch.bfloat16)
+                    for s, _ in distinct_sites(model_sites(scale))} for scale in (7, 8)}
+    assert len(want[7]) == 19 and len(want[8]) == 23
+    sm90 = {k for k in routes.ROUTES if k.startswith("sm90|bf16|")}
+    assert sm90 == want[7] | want[8]
+    assert all(len(v) == 3 and set(v) <= {routes.TRITON, routes.VENDOR} for v in routes.ROUTES.values())
