@@ -200,8 +200,8 @@ def time_ms(fn, timer: str = "wall") -> float:
 
 
 def time_rung(rung: str, fn, timer: str = "wall") -> float:
-    """do_bench median of fn on one rung: `cudnn_det` under deterministic cuDNN without algorithm
-    search (the vendor rung in training), the others under the caller's cuDNN flags."""
+    """Median ms of fn on one rung (`time_ms`'s timer): `cudnn_det` under deterministic cuDNN without
+    algorithm search (the vendor rung in training), the others under the caller's cuDNN flags."""
     if rung != "cudnn_det":
         return time_ms(fn, timer)
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True,
