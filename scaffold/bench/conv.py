@@ -278,7 +278,7 @@ def format_row(row: dict) -> str:
 def format_totals(result: dict) -> str:
     t = result["totals_ms"]
     lines = [f"scale {result['scale']} totals over every site (count-weighted), ms, "
-             f"{result.get('timer', 'wall')} time:"]
+             f"{result['timer']} time:"]
     for rung in COLUMNS:
         per = [t.get(f"{rung}_{d}") for d in DIRECTIONS]
         if None in per:
