@@ -58,6 +58,21 @@ def test_nan_stays_nan_and_every_element_written():
     assert ga.isnan().sum() == 1 and not gb.isnan().any()
 
 
+def test_eager_path_gives_the_registered_ops_bits():
+    """concat_channels runs eagerly as a plain autograd Function (no custom-op dispatch), the
+    registered op under torch.compile: same output, same gradient parts."""
+    a, b = make(8, 16, (3, 5, 7), torch.float32, torch.bfloat16)
+    g = torch.randn(2, 24, 3, 5, 7, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    outs = []
+    for eager in (True, False):
+        a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+        out = cc.concat_channels(a_, b_, torch.bfloat16) if eager else cc.concat_op(a_, b_, torch.bfloat16)
+        assert (type(out.grad_fn).__name__ == "_ConcatFnBackward") == eager
+        outs.append((out, *torch.autograd.grad(out, (a_, b_), g)))
+    for e, r in zip(*outs):
+        assert e.dtype == r.dtype and torch.equal(e, r)
+
+
 def test_custom_ops_pass_opcheck():
     a, b = make(3, 5, (2, 2, 3), torch.float32, torch.bfloat16)
     a.requires_grad_()

@@ -198,6 +198,23 @@ def test_custom_ops_pass_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_eager_path_gives_the_registered_ops_bits():
+    """group_norm runs eagerly as a plain autograd Function (no custom-op dispatch on the host) and
+    the registered op when torch.compile traces: both must give the same output and gradients."""
+    x, w, b, dy = make(2, 16, (3, 5, 7))
+    outs = []
+    for eager in (True, False):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        if eager:
+            y = gn.group_norm(xs, 4, ws, bs, 1e-5, True)
+            assert type(y.grad_fn).__name__ == "_GroupNormFnBackward"
+        else:
+            y = torch.ops.scaffold.group_norm_fwd(xs, ws, bs, 4, 1e-5, True, torch.float32)[0]
+        outs.append((y, *torch.autograd.grad(y, (xs, ws, bs), dy)))
+    for e, r in zip(*outs):
+        assert torch.equal(e, r)
+
+
 @pytest.mark.slow
 def test_torch_compile_fullgraph_traces_through():
     x, w, b, dy = make(1, 8, (2, 3, 3))

@@ -1,6 +1,6 @@
 """Benchmark every conv site of the U-Net: Triton kernels against cuDNN, in the same run.
 
-    python -m scaffold.bench.conv --scale 7,8 [--sites stem,head] [--timer wall|device] [--out conv.json]
+    python -m scaffold.bench.conv --scale 7,8 [--sites stem,head] [--timer wall|device|host] [--out conv.json]
 
 For each site (stem, each 3×3×3 conv, the transposed convs, the 1×1×1 head) and each direction
 (forward, backward-data, backward-weight incl. the bias gradient) it times, on the same bf16 NDHWC
@@ -10,7 +10,8 @@ vendor rung runs in training). `routed` is what `ladder.conv=auto` runs: per dir
 time where the measured route (scaffold/kernels/routes.py) takes Triton, else the `cudnn_det` time.
 Medians of triton.testing.do_bench (`--timer wall`, the default) or of CUDA-graph replays (`--timer
 device`: device time without the host's launch cost, which dominates the small sites as launched from
-Python), ratios, TFLOP/s, and per-model totals where each site is weighted by how often it occurs in
+Python), or the host's launch cost alone (`--timer host`: Python, dispatch and launchers, timed
+while the device is held busy), ratios, TFLOP/s, and per-model totals where each site is weighted by how often it occurs in
 the model. Needs a CUDA GPU.
 """
 from __future__ import annotations
@@ -182,18 +183,23 @@ def check_site(site: Site, batch: int = 1, seed: int = 0, repeats: int = 4) -> d
     return out
 
 
-TIMERS = ("wall", "device")
+TIMERS = ("wall", "device", "host")
 
 
 def time_ms(fn, timer: str = "wall") -> float:
     """Median ms of fn. `wall`: triton.testing.do_bench, launched from Python, so where the device
     finishes first the host's launch cost is what is timed. `device`: replays of a CUDA graph of fn
     (scaffold.bench.timing.graph_ms): the device time alone, what a step pays when its host runs
-    ahead. Both clear the L2 before each repetition."""
+    ahead. Both clear the L2 before each repetition. `host`: the host's launch cost alone
+    (scaffold.bench.timing.host_ms), launched behind a device-side sleep."""
     if timer == "device":
         from scaffold.bench.timing import graph_ms
 
         return graph_ms(fn, reps=30)
+    if timer == "host":
+        from scaffold.bench.timing import host_ms
+
+        return host_ms(fn)
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
@@ -296,7 +302,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--timer", default="wall", choices=TIMERS,
                    help="wall: do_bench as launched from Python (host launch cost included where "
-                        "it dominates); device: CUDA-graph replays, the device time alone")
+                        "it dominates); device: CUDA-graph replays, the device time alone; host: "
+                        "the host's launch cost alone")
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
     try:

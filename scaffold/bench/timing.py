@@ -1,15 +1,19 @@
 """GPU timing shared by the benchmarks: what a call costs the device, apart from what it costs the host.
 
-Two numbers answer different questions. `wall_ms` times a call as launched from Python (CUDA events
+Three numbers answer different questions. `wall_ms` times a call as launched from Python (CUDA events
 around it): when the device finishes faster than the host can launch, that is host time. `graph_ms`
 captures the call in a CUDA graph once and times replays: the device time alone, which is what a training
 step pays when its host runs ahead of the device (the trainer never waits on the device, so it does
 whenever its host work per step is below the device's). Both flush the L2 cache before each repetition,
 so a kernel never reads its inputs from a warm cache that the real step would not leave it.
+`host_ms` is the third: the host's own time to launch a call (Python, dispatch, launchers), measured
+while the device is held busy so that no launch waits on it; a call is host-bound where it exceeds
+`graph_ms`.
 """
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -74,6 +78,31 @@ def graph_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> float
         return timed_ms(graph.replay, reps)
     finally:
         del graph
+
+
+def host_ms(fn: Callable[[], object], calls: int = 40, rounds: int = 5) -> float:
+    """Median over `rounds` of the host's ms per call of fn(), `calls` calls a round, each round
+    enqueued behind a device-side sleep that outlasts it (checked: a round whose sleep had ended
+    before its last launch is retried with a longer sleep), so no launch waits for the device."""
+    fn()
+    torch.cuda.synchronize()
+    cycles, times = 50_000_000, []
+    while len(times) < rounds:
+        torch.cuda._sleep(cycles)
+        busy = torch.cuda.Event()
+        busy.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t = (time.perf_counter() - t0) * 1e3 / calls
+        if busy.query():  # the sleep was over: launches may have waited on the device
+            cycles *= 2
+            if cycles > 2**36:
+                raise RuntimeError("host_ms: could not keep the device busy through one round")
+        else:
+            times.append(t)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def kernel_ms(prof, calls: int = 1) -> dict[str, float]:

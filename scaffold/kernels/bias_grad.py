@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import cdiv, next_pow2
 from .grid import voxel_coords
 from .splits import split_plan, sum_splits
 
@@ -43,13 +44,13 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = No
     m = n * g.shape[2] * g.shape[3] * g.shape[4]
     if out is None:
         out = torch.empty(c, device=g.device, dtype=dtype)
-    block_c = min(max(triton.next_power_of_2(c), 16), 64)
+    block_c = min(max(next_pow2(c), 16), 64)
     block_m = 16 if not g.is_cuda else 128
-    steps = triton.cdiv(m, block_m)
-    s, per_split = split_plan(g.device, triton.cdiv(c, block_c), steps, c, min_steps=8)
+    steps = cdiv(m, block_m)
+    s, per_split = split_plan(g.device, cdiv(c, block_c), steps, c, min_steps=8)
     chunk = per_split * block_m
     partials = out if s == 1 else torch.empty((s, c), device=g.device, dtype=torch.float32)
-    _bias_grad_kernel[(triton.cdiv(c, block_c), s)](
+    _bias_grad_kernel[(cdiv(c, block_c), s)](
         g, partials, m, c, chunk, *g.shape[2:], *g.stride(),
         BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
     if s > 1:

@@ -37,6 +37,17 @@ def triton_usable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and interpreting()
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints, for host code: triton.cdiv (a constexpr function since Triton 3.6) costs a
+    few microseconds a call on the host, and a launch computes a dozen of these."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), for host code (see `cdiv`)."""
+    return 1 << (n - 1).bit_length()
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_arch(index: int) -> str:
     major, minor = torch.cuda.get_device_capability(index)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import triton_usable
+from .common import cdiv, next_pow2, triton_usable
 from .groupnorm import MAX_CHANNELS
 from .nsc import cast_rne, flat_nsc
 
@@ -67,10 +67,10 @@ def _split_kernel(g_ptr, ga_ptr, gb_ptr, rows, S, CA, CB, g_sn, g_ss, g_sc, a_sn
 
 
 def _geometry(N: int, S: int, ca: int, cb: int):
-    block_ca = triton.next_power_of_2(ca)
-    block_cb = triton.next_power_of_2(cb)
+    block_ca = next_pow2(ca)
+    block_cb = next_pow2(cb)
     block_r = max(1, _TILE // max(block_ca, block_cb))
-    return (triton.cdiv(N * S, block_r),), dict(BLOCK_R=block_r, BLOCK_CA=block_ca, BLOCK_CB=block_cb)
+    return (cdiv(N * S, block_r),), dict(BLOCK_R=block_r, BLOCK_CA=block_ca, BLOCK_CB=block_cb)
 
 
 def _channels_last(shape, dtype, device) -> torch.Tensor:
@@ -144,6 +144,22 @@ def _backward(ctx, g):
 concat_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _ConcatFn(torch.autograd.Function):
+    """The eager path of concat_op (see groupnorm._GroupNormFn): the same launchers without the
+    dispatcher's per-call custom-op cost; `concat_channels` takes it unless torch.compile traces."""
+
+    @staticmethod
+    def forward(ctx, a, b, dtype):
+        out = concat_forward(a, b, dtype)
+        _setup_context(ctx, (a, b, dtype), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        ga, gb = split_backward(g, ctx.ca, *ctx.dtypes)
+        return ga, gb, None
+
+
 def concat_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `concat_channels` handles cat([a, b], dim=1); metadata only."""
     return (triton_usable(a) and a.device == b.device and a.dim() == 5 and b.dim() == 5
@@ -162,4 +178,6 @@ def concat_channels(a: torch.Tensor, b: torch.Tensor, dtype: Optional[torch.dtyp
     dtype = torch.promote_types(a.dtype, b.dtype) if dtype is None else dtype
     if dtype not in _DTYPES:
         raise ValueError(f"concat_channels: dtype={dtype} must be one of {_DTYPES}")
-    return concat_op(a, b, dtype)
+    if torch.compiler.is_compiling():  # the registered op, which torch.compile traces through
+        return concat_op(a, b, dtype)
+    return _ConcatFn.apply(a, b, dtype)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import sm_count
+from .common import cdiv, next_pow2, sm_count
 from .conv_fwd import dot_mode, mma
 from .grid import grouped_program, tap_coords, voxel_coords
 from .splits import split_plan, sum_splits, wave_split_plan
@@ -191,8 +191,8 @@ def _conv_box_wgrad_kernel(
 def box_shape(size: tuple, block_m: int) -> tuple:
     """(BD, BH, BW): a box of `block_m` voxels (powers of two) that hugs the volume's W, then H."""
     d, h, w = size
-    bw = min(triton.next_power_of_2(w), block_m)
-    bh = min(triton.next_power_of_2(h), block_m // bw)
+    bw = min(next_pow2(w), block_m)
+    bh = min(next_pow2(h), block_m // bw)
     bd = max(1, block_m // (bw * bh))
     return bd, bh, bw
 
@@ -201,8 +201,8 @@ def flat_box_shape(size: tuple, block_m: int) -> tuple:
     """(1, BH, BW): box_shape's box within one (d) plane, for the subsampled view, whose first dim
     runs over (n, d, kd) together and so takes one d per box."""
     h, w = size[1:]
-    bw = min(triton.next_power_of_2(w), block_m)
-    return 1, min(triton.next_power_of_2(h), block_m // bw), bw
+    bw = min(next_pow2(w), block_m)
+    return 1, min(next_pow2(h), block_m // bw), bw
 
 
 def sub_block_k(c: int, block: int) -> int:
@@ -238,7 +238,7 @@ def _operand_desc(t: torch.Tensor, size: tuple, box_voxels: int, channels: int, 
 
 def _box_grid(shape: tuple, box: tuple) -> tuple:
     """((tiles_d, tiles_h, tiles_w), boxes in all) of boxes `box` over a volume (N, C, D, H, W)."""
-    tiles = tuple(triton.cdiv(shape[2 + i], box[i]) for i in range(3))
+    tiles = tuple(cdiv(shape[2 + i], box[i]) for i in range(3))
     return tiles, shape[0] * tiles[0] * tiles[1] * tiles[2]
 
 
@@ -268,7 +268,7 @@ def transposed_box_supported(tensors: tuple, w_shape) -> bool:
     plane (the box is one plane). A pure function of device, dtype, layout, shape."""
     cin, cout, kd, kh, kw = w_shape
     dy = tensors[0]
-    plane = (triton.next_power_of_2(dy.shape[3] // kh) * triton.next_power_of_2(dy.shape[4] // kw))
+    plane = (next_pow2(dy.shape[3] // kh) * next_pow2(dy.shape[4] // kw))
     voxels = dy.shape[2] * dy.shape[3] * dy.shape[4] // (kd * kh * kw)
     return (cin % 8 == 0 and cout % 16 == 0 and plane >= 16
             and voxels >= TRANSPOSED_BOX_MIN_VOXELS and _descriptor_operands(tensors))
@@ -312,8 +312,8 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     w_desc = TensorDescriptor.from_tensor(_taps_view(w), w_block)
     n, _, d, h, wd = out.shape
     tiles, num_boxes = _box_grid(out.shape, (bd, bh, bw))
-    programs = num_boxes * triton.cdiv(co, tile.block_n)
-    iters = k[0] * k[1] * k[2] * triton.cdiv(c, block_k)
+    programs = num_boxes * cdiv(co, tile.block_n)
+    iters = k[0] * k[1] * k[2] * cdiv(c, block_k)
     # Split only a launch of less than one wave: more tiles already keep every multiprocessor busy.
     s, per_split = (split_plan(x.device, programs, iters, out.numel())
                     if programs < sm_count(x.device) else (1, iters))
@@ -377,7 +377,7 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     g_desc = TensorDescriptor.from_tensor(_ndhwc(g), [1, bd, bh, bw, tile.block_m])
     tiles, num_boxes = _box_grid(g.shape, (bd, bh, bw))
     tw = taps_per_program(kernel[2], tile)
-    programs = triton.cdiv(r, tile.block_m) * triton.cdiv(c, block_q) * (taps // tw)
+    programs = cdiv(r, tile.block_m) * cdiv(c, block_q) * (taps // tw)
     # a stage holds one dy box and tw x boxes (the tile's sizes); tw fp32 accumulators
     per_sm = programs_per_sm(tile.block_k * (tile.block_m + tw * tile.block_n) * g.element_size(),
                              tile.num_stages, tile.num_warps, tile.block_m * tile.block_n * tw)
@@ -459,10 +459,10 @@ def fold_input(x: torch.Tensor, kernel: tuple, padding: tuple, dilation: tuple) 
     out = torch.empty((n, kp, d, ho, wo), device=x.device, dtype=x.dtype, memory_format=_CL)
     total = n * d * ho * wo
     block_v = 128 if x.is_cuda else 32
-    _fold_hw_kernel[(triton.cdiv(total, block_v),)](
+    _fold_hw_kernel[(cdiv(total, block_v),)](
         x, out, j, kp, d, ho, wo, h, w, total, *x.stride(), padding[1], padding[2],
         dilation[1], dilation[2], CIN=cin, KW=kernel[2],
-        BLOCK_V=block_v, BLOCK_J=triton.next_power_of_2(kp))
+        BLOCK_V=block_v, BLOCK_J=next_pow2(kp))
     return out
 
 

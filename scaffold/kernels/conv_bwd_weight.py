@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import cdiv
 from .conv_fwd import dot_mode, mma
 from .grid import tap_coords, voxel_coords
 from .splits import split_plan, sum_splits
@@ -110,9 +111,9 @@ def conv_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, kernel
     taps = kernel[0] * kernel[1] * kernel[2]
     m = n * g.shape[2] * g.shape[3] * g.shape[4]
     flat = c < 16
-    blocks_r = triton.cdiv(r, tile.block_m)
-    blocks_q = triton.cdiv(taps * c, tile.block_n) if flat else taps * triton.cdiv(c, tile.block_n)
-    s, per_split = split_plan(g.device, blocks_r * blocks_q, triton.cdiv(m, tile.block_k), r * c * taps)
+    blocks_r = cdiv(r, tile.block_m)
+    blocks_q = cdiv(taps * c, tile.block_n) if flat else taps * cdiv(c, tile.block_n)
+    s, per_split = split_plan(g.device, blocks_r * blocks_q, cdiv(m, tile.block_k), r * c * taps)
     chunk = per_split * tile.block_k
     partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
                                               dtype=torch.float32)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import cdiv
 from .grid import grouped_program, tap_coords, voxel_coords
 
 
@@ -156,7 +157,7 @@ def conv_gather(x: torch.Tensor, w_view: tuple, out: torch.Tensor, bias, kernel:
     co = out.shape[1]
     m = n * out.shape[2] * out.shape[3] * out.shape[4]
     flat = c < 16
-    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(co, tile.block_n),)
+    grid = (cdiv(m, tile.block_m) * cdiv(co, tile.block_n),)
     _conv_gather_kernel[grid](
         x, w, bias if bias is not None else w, out,
         m, c, co, *x.shape[2:], *out.shape[2:],

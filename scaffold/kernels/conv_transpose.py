@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import cdiv
 from .conv_fwd import dot_mode, mma
 from .grid import grouped_program, tap_coords, voxel_coords
 
@@ -76,7 +77,7 @@ def conv_transpose_scatter(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Te
     kd, kh, kw = w.shape[2:]
     m = n * x.shape[2] * x.shape[3] * x.shape[4]
     j = kd * kh * kw * co
-    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(j, tile.block_n),)
+    grid = (cdiv(m, tile.block_m) * cdiv(j, tile.block_n),)
     _convT_scatter_kernel[grid](
         x, w, bias if bias is not None else w, out, m, c, co, *x.shape[2:],
         *x.stride(), *w.stride(), *out.stride(), kd, kh, kw,

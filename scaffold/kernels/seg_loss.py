@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import arch_key, sm_count, triton_usable
+from .common import arch_key, cdiv, next_pow2, sm_count, triton_usable
 # The bf16 widening and round-to-nearest-even store that survive Triton's CPU interpreter, and the
 # [N, S, C] stride view of a 5-D tensor: shared with the GroupNorm kernels.
 from .nsc import cast_rne, flat_nsc, nsc_strides, to_f32
@@ -418,7 +418,7 @@ class Plan:
 
     def __init__(self, N: int, V: int, C: int, device: torch.device, block_v: Optional[int] = None,
                  tile: Optional[tuple] = None):
-        self.block_c = triton.next_power_of_2(C)
+        self.block_c = next_pow2(C)
         arch = arch_key(device)
         tile = tuple(tile or TILE_TABLE.get(arch) or _heuristic_tile(arch, self.block_c))
         bv, self.num_warps, per_sm = tile[:3]
@@ -429,14 +429,14 @@ class Plan:
             self.form = "rows"  # the same backward, and a forward with its per-class sums in a tile
         self.block_v = block_v or bv
         self.k = 2 + 3 * C
-        steps = triton.cdiv(V, self.block_v)
+        steps = cdiv(V, self.block_v)
         # Splits per sample: about per_sm programs per multiprocessor over the batch, each walking at
         # least two tiles. A pure function of shape and device, so the fixed summation order is too.
-        splits = max(1, min(triton.cdiv(per_sm * sm_count(device), N), steps // 2))
-        self.chunk = triton.cdiv(steps, splits) * self.block_v
-        self.splits = triton.cdiv(V, self.chunk)
+        splits = max(1, min(cdiv(per_sm * sm_count(device), N), steps // 2))
+        self.chunk = cdiv(steps, splits) * self.block_v
+        self.splits = cdiv(V, self.chunk)
         self.tiles = steps
-        self.block_p = max(16, min(triton.next_power_of_2(self.splits), 512 if device.type == "cuda"
+        self.block_p = max(16, min(next_pow2(self.splits), 512 if device.type == "cuda"
                                    else 16))
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import sm_count
+from .common import cdiv, sm_count
 
 
 def split_count(device: torch.device, tiles: int, steps: int, partial_elems: int,
@@ -21,7 +21,7 @@ def split_count(device: torch.device, tiles: int, steps: int, partial_elems: int
     """Splits for `tiles` output tiles whose reduction takes `steps` block steps: enough programs to
     fill the device about twice over, each still doing at least `min_steps` steps, and the fp32
     partials (S × partial_elems) within max_bytes."""
-    want = triton.cdiv(2 * sm_count(device), max(tiles, 1))
+    want = cdiv(2 * sm_count(device), max(tiles, 1))
     s = min(want, max(steps // min_steps, 1), max(max_bytes // (4 * max(partial_elems, 1)), 1))
     return max(int(s), 1)
 
@@ -30,8 +30,8 @@ def split_plan(device: torch.device, tiles: int, steps: int, partial_elems: int,
                min_steps: int = 4) -> tuple[int, int]:
     """(splits, steps per split) for `split_count`'s choice, with no empty split at the end (rounding
     the per-split share up can leave the last one nothing to do: it is dropped)."""
-    per = triton.cdiv(steps, split_count(device, tiles, steps, partial_elems, min_steps))
-    return triton.cdiv(steps, per), per
+    per = cdiv(steps, split_count(device, tiles, steps, partial_elems, min_steps))
+    return cdiv(steps, per), per
 
 
 # The split cost model's two rates (Hopper-class, achieved): tensor-core FLOP/s of one
@@ -54,11 +54,6 @@ def wave_split_plan(device: torch.device, tiles: int, steps: int, partial_elems:
                             step_flops, min_steps, max_bytes)
 
 
-def _cdiv(a: int, b: int) -> int:
-    # plain integer ceil-division: triton.cdiv costs several microseconds a call on the host here
-    return -(-a // b)
-
-
 @functools.lru_cache(maxsize=4096)
 def _wave_split_plan(slots: int, tiles: int, steps: int, partial_elems: int, step_flops: float,
                      min_steps: int, max_bytes: int) -> tuple[int, int]:
@@ -68,15 +63,15 @@ def _wave_split_plan(slots: int, tiles: int, steps: int, partial_elems: int, ste
     cands = {1, s_max} | {w * slots // tiles for w in range(1, s_max * tiles // slots + 2)}
     best, best_cost = 1, None
     for s in sorted(c for c in cands if 1 <= c <= s_max):
-        per = _cdiv(steps, s)
-        waves = _cdiv(tiles * _cdiv(steps, per), slots)
+        per = cdiv(steps, s)
+        waves = cdiv(tiles * cdiv(steps, per), slots)
         cost = waves * per * step_flops / SM_FLOPS
         if s > 1:
             cost += s * partial_elems * 8 / PARTIAL_BYTES_PER_S
         if best_cost is None or cost < best_cost * (1 - 1e-9):
             best, best_cost = s, cost
-    per = _cdiv(steps, best)
-    return _cdiv(steps, per), per
+    per = cdiv(steps, best)
+    return cdiv(steps, per), per
 
 
 @triton.jit
@@ -93,5 +88,5 @@ def sum_splits(partials: torch.Tensor, out_flat: torch.Tensor) -> torch.Tensor:
     """out_flat[l] = sum over s, in order, of partials[s, l] (fp32), cast to out_flat's dtype."""
     s, length = partials.shape
     block = 256 if partials.is_cuda else 64
-    _sum_splits_kernel[(triton.cdiv(length, block),)](partials, out_flat, s, length, BLOCK=block)
+    _sum_splits_kernel[(cdiv(length, block),)](partials, out_flat, s, length, BLOCK=block)
     return out_flat
