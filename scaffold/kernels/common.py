@@ -54,6 +54,16 @@ def _cuda_arch(index: int) -> str:
     return f"sm{major}{minor}"
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def cuda_major(device: torch.device) -> int:
+    """Compute capability major of a CUDA device (9 on Hopper), looked up once per device."""
+    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def arch_key(device: torch.device) -> str:
     """Key of the frozen tile tables: 'sm90' on Hopper, 'cpu' under the interpreter."""
     if device.type == "cuda":

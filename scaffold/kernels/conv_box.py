@@ -36,11 +36,13 @@ engine needs), and a channels-last weight.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, sm_count
+from .common import cdiv, cuda_major, next_pow2, sm_count
 from .conv_fwd import dot_mode, mma
 from .grid import grouped_program, tap_coords, voxel_coords
 from .splits import split_plan, sum_splits, wave_split_plan
@@ -223,17 +225,31 @@ def subsampled_desc(dy: torch.Tensor, kernel: tuple, block: list):
     return TensorDescriptor.from_tensor(view, block)
 
 
-def _operand_desc(t: torch.Tensor, size: tuple, box_voxels: int, channels: int, block_c: int,
-                  kernel: tuple, sub: bool):
-    """((BD, BH, BW), channel block, descriptor) for the shifted-box operand t of a launch whose
-    boxes of box_voxels tile a volume of `size`: box_shape's box over t's NDHWC view, or (sub) a
-    one-plane box over t's subsampled view with a channel block dividing `channels`."""
+def _operand_box_desc(t: torch.Tensor, box: tuple, block_c: int, kernel: tuple, sub: bool):
+    """The descriptor of the shifted-box operand t: boxes (BD, BH, BW) × block_c channels over t's
+    NDHWC view, or (sub) one-plane boxes over t's subsampled view (`subsampled_desc`)."""
     if sub:
-        box = flat_box_shape(size, box_voxels)
-        block = sub_block_k(channels, block_c)
-        return box, block, subsampled_desc(t, kernel, [1, box[1], 1, box[2], block])
-    box = box_shape(size, box_voxels)
-    return box, block_c, TensorDescriptor.from_tensor(_ndhwc(t), [1, *box, block_c])
+        return subsampled_desc(t, kernel, [1, box[1], 1, box[2], block_c])
+    return TensorDescriptor.from_tensor(_ndhwc(t), [1, *box, block_c])
+
+
+@functools.lru_cache(maxsize=1024)
+def _box_launch(out_shape: tuple, c: int, co: int, kernel: tuple, tile, sub: bool,
+                device: torch.device) -> tuple:
+    """Launch geometry of `conv_box`, a pure function of shapes, tile and device, computed once per
+    key (a launch's host time is paid on every call): (box, channel block, box tiles per dim,
+    boxes, programs, splits, (tap, channel) steps per split)."""
+    size = tuple(out_shape[2:])
+    box = flat_box_shape(size, tile.block_m) if sub else box_shape(size, tile.block_m)
+    block_k = sub_block_k(c, tile.block_k) if sub else tile.block_k
+    tiles, num_boxes = _box_grid(out_shape, box)
+    programs = num_boxes * cdiv(co, tile.block_n)
+    iters = kernel[0] * kernel[1] * kernel[2] * cdiv(c, block_k)
+    # Split only a launch of less than one wave: more tiles already keep every multiprocessor busy.
+    numel = out_shape[0] * co * size[0] * size[1] * size[2]
+    s, per_split = (split_plan(device, programs, iters, numel)
+                    if programs < sm_count(device) else (1, iters))
+    return box, block_k, tiles, num_boxes, programs, s, per_split
 
 
 def _box_grid(shape: tuple, box: tuple) -> tuple:
@@ -290,7 +306,7 @@ def _descriptor_operands(tensors: tuple) -> bool:
     if t0.is_cuda:
         # Tensor descriptors are Hopper's copy engine; fp32 boxes of 64 channels exceed its
         # 128-byte swizzled rows, so fp32 keeps the gather kernels on the GPU.
-        if torch.cuda.get_device_capability(t0.device)[0] < 9 or t0.dtype == torch.float32:
+        if cuda_major(t0.device) < 9 or t0.dtype == torch.float32:
             return False
     return all(t.dtype == t0.dtype and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
                and t.is_contiguous(memory_format=torch.channels_last_3d) for t in tensors)
@@ -306,17 +322,13 @@ def conv_box(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias, padding:
     k = tuple(w.shape[2:])
     # reduction channels (the weight's, zero-padded ones included), output channels (out's)
     c, co = w.shape[0 if mirror else 1], out.shape[1]
-    (bd, bh, bw), block_k, x_desc = _operand_desc(x, tuple(out.shape[2:]), tile.block_m, c,
-                                                  tile.block_k, k, sub)
+    box, block_k, tiles, num_boxes, programs, s, per_split = _box_launch(
+        tuple(out.shape), c, co, k, tile, sub, x.device)
+    bd, bh, bw = box
+    x_desc = _operand_box_desc(x, box, block_k, k, sub)
     w_block = [block_k, 1, tile.block_n] if mirror else [tile.block_n, 1, block_k]
     w_desc = TensorDescriptor.from_tensor(_taps_view(w), w_block)
     n, _, d, h, wd = out.shape
-    tiles, num_boxes = _box_grid(out.shape, (bd, bh, bw))
-    programs = num_boxes * cdiv(co, tile.block_n)
-    iters = k[0] * k[1] * k[2] * cdiv(c, block_k)
-    # Split only a launch of less than one wave: more tiles already keep every multiprocessor busy.
-    s, per_split = (split_plan(x.device, programs, iters, out.numel())
-                    if programs < sm_count(x.device) else (1, iters))
     if s == 1:
         target, split_stride = out, 0
     else:  # fp32 partials [S, N, D, H, W, C], summed in order into a dense channels-last result
@@ -357,6 +369,26 @@ def taps_per_program(kw: int, tile) -> int:
     return t if kw % t == 0 else 1
 
 
+@functools.lru_cache(maxsize=1024)
+def _boxw_launch(g_shape: tuple, r: int, c: int, kernel: tuple, tile, sub: bool, elem_bytes: int,
+                 device: torch.device) -> tuple:
+    """Launch geometry of `conv_box_weight_grad`, computed once per key (see `_box_launch`): (box,
+    channel block, box tiles per dim, boxes, kw taps per program, programs, splits, boxes per split)."""
+    size = tuple(g_shape[2:])
+    box = flat_box_shape(size, tile.block_k) if sub else box_shape(size, tile.block_k)
+    block_q = sub_block_k(c, tile.block_n) if sub else tile.block_n
+    tiles, num_boxes = _box_grid(g_shape, box)
+    taps = kernel[0] * kernel[1] * kernel[2]
+    tw = taps_per_program(kernel[2], tile)
+    programs = cdiv(r, tile.block_m) * cdiv(c, block_q) * (taps // tw)
+    # a stage holds one dy box and tw x boxes (the tile's sizes); tw fp32 accumulators
+    per_sm = programs_per_sm(tile.block_k * (tile.block_m + tw * tile.block_n) * elem_bytes,
+                             tile.num_stages, tile.num_warps, tile.block_m * tile.block_n * tw)
+    s, per_split = wave_split_plan(device, programs, num_boxes, r * c * taps,
+                                   2 * box[0] * box[1] * box[2] * tile.block_m * block_q * tw, per_sm)
+    return box, block_q, tiles, num_boxes, tw, programs, s, per_split
+
+
 def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, kernel: tuple,
                          padding: tuple, dilation: tuple, tile,
                          allow_tf32: bool = False, sub: bool = False) -> torch.Tensor:
@@ -372,17 +404,11 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     # Input channels per tap as `out` stores them: x's, or fewer where x was zero-padded, or
     # KH·KW·Cin for a folded x (box_operands); the masks keep the padding out of `out`.
     c = out.numel() // (r * taps)
-    (bd, bh, bw), block_q, x_desc = _operand_desc(x, tuple(g.shape[2:]), tile.block_k, c,
-                                                  tile.block_n, kernel, sub)
+    box, block_q, tiles, num_boxes, tw, programs, s, per_split = _boxw_launch(
+        tuple(g.shape), r, c, kernel, tile, sub, g.element_size(), g.device)
+    bd, bh, bw = box
+    x_desc = _operand_box_desc(x, box, block_q, kernel, sub)
     g_desc = TensorDescriptor.from_tensor(_ndhwc(g), [1, bd, bh, bw, tile.block_m])
-    tiles, num_boxes = _box_grid(g.shape, (bd, bh, bw))
-    tw = taps_per_program(kernel[2], tile)
-    programs = cdiv(r, tile.block_m) * cdiv(c, block_q) * (taps // tw)
-    # a stage holds one dy box and tw x boxes (the tile's sizes); tw fp32 accumulators
-    per_sm = programs_per_sm(tile.block_k * (tile.block_m + tw * tile.block_n) * g.element_size(),
-                             tile.num_stages, tile.num_warps, tile.block_m * tile.block_n * tw)
-    s, per_split = wave_split_plan(g.device, programs, num_boxes, r * c * taps,
-                                   2 * bd * bh * bw * tile.block_m * block_q * tw, per_sm)
     partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
                                               dtype=torch.float32)
     _conv_box_wgrad_kernel[(programs, s)](

@@ -12,6 +12,7 @@ has few tiles), 'small' (output channels < 128), 'wide' (the rest).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -125,8 +126,13 @@ def conv_tile(device: torch.device, dtype: torch.dtype, op: str, cin: int, cout:
 
     if op in FORCED:
         return FORCED[op]
-    arch = arch_key(device)
-    cls = shape_class(cin, cout, taps, voxels if op in ("box", "boxw") else 0)
+    return _table_tile(arch_key(device), dtype, op,
+                       shape_class(cin, cout, taps, voxels if op in ("box", "boxw") else 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _table_tile(arch: str, dtype: torch.dtype, op: str, cls: str) -> Tile:
+    """TABLE's entry as a Tile, else the heuristic's; built once per key (TABLE is frozen)."""
     entry = TABLE.get(f"{arch}|{dtype_key(dtype)}|{op}|{cls}")
     if entry is not None:
         return Tile(*entry)
