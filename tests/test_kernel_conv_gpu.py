@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from scaffold.bench.conv import check_site, distinct_sites, model_sites
 
@@ -56,3 +57,25 @@ def test_bench_device_timer_times_every_rung():
             for d in DIRECTIONS:
                 assert row.get(f"{rung}_{d}_error") is None, row.get(f"{rung}_{d}_error")
                 assert 0.0 < row[f"{rung}_{d}_ms"] < 100.0
+
+
+def test_host_timer_excludes_device_time():
+    """timing.host_ms is the host's launch cost alone: for a kernel that keeps the device busy for
+    milliseconds it must stay far below the device time that graph_ms measures for the same call."""
+    from scaffold.bench.timing import graph_ms, host_ms
+
+    a = torch.randn(4096, 4096, device="cuda")
+    call = lambda: a @ a  # noqa: E731
+    device, host = graph_ms(call, reps=5), host_ms(call, calls=20, rounds=3)
+    assert device > 0.5 and 0.0 < host < 0.2 * device, (host, device)
+
+
+def test_bench_host_timer_times_every_rung():
+    """bench.conv --timer host: every rung and direction of a site gets a host time."""
+    from scaffold.bench.conv import DIRECTIONS, RUNGS, bench_model
+
+    res = bench_model(4, names=["head"], timer="host", log=lambda line: None)
+    assert res["timer"] == "host" and len(res["rows"]) == 1
+    for rung in RUNGS:
+        for d in DIRECTIONS:
+            assert 0.0 < res["rows"][0][f"{rung}_{d}_ms"] < 100.0

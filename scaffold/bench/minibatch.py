@@ -62,16 +62,20 @@ def category(kernel: str) -> str:
 
 def step_breakdown(step, steps: int) -> dict:
     """Device time per step by part (kernel durations from the profiler, summed by name), the step's
-    wall time under the profiler, and the host time to enqueue one step from an idle device."""
+    wall time under the profiler, the host time to enqueue one step from an idle device, and the
+    host's time per step while the device is busy (timing.host_ms: the step is host-bound where this
+    exceeds the device time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from scaffold.bench.timing import kernel_ms
+    from scaffold.bench.timing import host_ms, kernel_ms
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     step(0)
-    host_ms = (time.perf_counter() - t0) * 1e3  # launches only: nothing in the step waits on the device
+    enqueue_ms = (time.perf_counter() - t0) * 1e3  # launches only: nothing in the step waits on the device
     torch.cuda.synchronize()
+    # the host's own time per step, median of 5 steps each launched behind a device-side sleep
+    host_step_ms = host_ms(lambda: step(0), calls=1, rounds=5)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for i in range(steps):
@@ -84,7 +88,8 @@ def step_breakdown(step, steps: int) -> dict:
         parts[category(name)] = parts.get(category(name), 0.0) + ms
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
     return {"device_ms_by_part": parts, "device_ms_total": sum(parts.values()),
-            "profiled_step_wall_ms": wall_ms, "host_enqueue_ms": host_ms, "top_kernels_ms": top}
+            "profiled_step_wall_ms": wall_ms, "host_enqueue_ms": enqueue_ms,
+            "host_ms_per_step": host_step_ms, "top_kernels_ms": top}
 
 
 def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, warmup: int,
@@ -191,7 +196,8 @@ def main(argv=None) -> int:
             parts = "  ".join(f"{k} {v:.2f}" for k, v in sorted(b["device_ms_by_part"].items(),
                                                                 key=lambda kv: -kv[1]))
             print(f"{r['variant']:<10} device ms per step by part: {parts}  (sum {b['device_ms_total']:.2f}; "
-                  f"profiled step {b['profiled_step_wall_ms']:.2f}; host enqueue {b['host_enqueue_ms']:.2f})")
+                  f"profiled step {b['profiled_step_wall_ms']:.2f}; host enqueue {b['host_enqueue_ms']:.2f}, "
+                  f"host per step behind a busy device {b['host_ms_per_step']:.2f})")
     write_json(args.out, {"scale": scale, "width": args.width, "device": dev, "results": results})
     return 0
 
