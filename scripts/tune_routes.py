@@ -1,11 +1,15 @@
 """Offline tuner for the conv routes (scaffold/kernels/routes.py): run on the GPU the table is for.
 
-    python scripts/tune_routes.py --scale 7,8 [--reps 3] [--margin 0.02] [--out routes.json] [--write]
+    python scripts/tune_routes.py --scale 7,8 [--reps 3] [--margin 0.02] [--timer wall|device]
+                                  [--out routes.json] [--write]
 
 For every distinct conv site of the model and each direction (forward, backward-data,
 backward-weight with the bias gradient) it times our Triton launchers and cuDNN restricted to
 deterministic algorithms without search (what the vendor rung runs in training) on the same bf16
-NDHWC operands, `--reps` rounds interleaved, and takes the median per side. A direction goes to
+NDHWC operands, `--reps` rounds interleaved, and takes the median per side. `--timer wall` (the
+default) times calls as launched from Python, the host's launch cost included; `--timer device`
+times CUDA-graph replays, the device time alone: the measure for a training step whose host runs
+ahead of its device (bench.minibatch --breakdown says which one a step is). A direction goes to
 Triton when its median is below (1 - margin) × cuDNN's, else to vendor; a direction whose Triton
 call failed goes to vendor. --write rewrites the ROUTES block of routes.py (temp file + rename),
 keeping the keys this run did not measure; the run-time path never times.
@@ -46,7 +50,7 @@ def choose(t_ms, v_ms, margin: float) -> str:
 
 
 def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = False,
-         log=print, on_site=None) -> tuple[dict, dict]:
+         log=print, on_site=None, timer: str = "wall") -> tuple[dict, dict]:
     """Returns (routes {key: (fwd, bwd_data, bwd_weight)}, report with the medians and totals).
     `baseline` also times cuDNN with algorithm search (`cudnn`), for the report only. `on_site(table,
     report)` is called after each site with the results so far (so a run cut short keeps them)."""
@@ -57,7 +61,7 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
     for site, count in distinct_sites(model_sites(scale)):
         if names and not any(n in site.name for n in names):
             continue
-        runs = [bench_site(site, rungs=sides) for _ in range(reps)]
+        runs = [bench_site(site, rungs=sides, timer=timer) for _ in range(reps)]
         med = {}
         for side in sides:
             for d in DIRECTIONS:
@@ -77,10 +81,12 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
             for d, r in zip(DIRECTIONS, route)))
         torch.cuda.empty_cache()
         if on_site is not None:
-            on_site(table, {"scale": scale, "rows": rows, "totals_ms": totals, "partial": True})
-    log(f"scale {scale}, count-weighted ms: " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items())
+            on_site(table, {"scale": scale, "timer": timer, "rows": rows, "totals_ms": totals,
+                            "partial": True})
+    log(f"scale {scale}, count-weighted ms ({timer} time): " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items())
         + " (routed: the chosen side's median, from the same timings that chose it)")
-    return table, {"scale": scale, "reps": reps, "margin": margin, "rows": rows, "totals_ms": totals}
+    return table, {"scale": scale, "timer": timer, "reps": reps, "margin": margin, "rows": rows,
+                   "totals_ms": totals}
 
 
 def _ms(v) -> str:
@@ -99,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3, help="interleaved rounds; the median is kept")
     p.add_argument("--margin", type=float, default=0.02,
                    help="Triton must be this fraction faster than cuDNN to take a direction")
+    p.add_argument("--timer", default="wall", choices=("wall", "device"),
+                   help="wall: as launched from Python; device: CUDA-graph replays (device time)")
     p.add_argument("--out", default="", help="write the routes and timings as JSON here")
     p.add_argument("--write", action="store_true", help="rewrite the ROUTES block of routes.py")
     p.add_argument("--baseline", action="store_true",
@@ -125,7 +133,8 @@ def main(argv=None) -> int:
             write_routes({**routes.ROUTES, **table, **new}, routes.__file__)
 
     for scale in scales:
-        t, report = tune(scale, args.reps, args.margin, names, args.baseline, on_site=save)
+        t, report = tune(scale, args.reps, args.margin, names, args.baseline, on_site=save,
+                         timer=args.timer)
         table.update(t)
         reports.append(report)
     save({})
