@@ -73,6 +73,16 @@ def test_eager_path_gives_the_registered_ops_bits():
         assert e.dtype == r.dtype and torch.equal(e, r)
 
 
+def test_second_derivative_is_refused():
+    a, b = make(2, 2, (2, 2, 2), torch.float32, torch.float32)
+    a.requires_grad_()
+    out = cc.concat_channels(a, b)
+    g = torch.ones_like(out, requires_grad=True)
+    (ga,) = torch.autograd.grad(out, a, g, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        ga.sum().backward()
+
+
 def test_custom_ops_pass_opcheck():
     a, b = make(3, 5, (2, 2, 3), torch.float32, torch.bfloat16)
     a.requires_grad_()

@@ -215,6 +215,16 @@ def test_eager_path_gives_the_registered_ops_bits():
         assert torch.equal(e, r)
 
 
+def test_second_derivative_is_refused():
+    """First-order gradients only, on the eager path as on the registered op: differentiating the
+    gradient raises instead of silently returning a wrong (missing) second derivative."""
+    x, w, b, dy = make(1, 8, (2, 3, 3))
+    xs, dys = x.clone().requires_grad_(), dy.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(gn.group_norm(xs, 2, w, b, 1e-5, True), xs, dys, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.sum().backward()
+
+
 @pytest.mark.slow
 def test_torch_compile_fullgraph_traces_through():
     x, w, b, dy = make(1, 8, (2, 3, 3))

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .common import cdiv, next_pow2, triton_usable
 from .groupnorm import MAX_CHANNELS
@@ -155,6 +156,7 @@ class _ConcatFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # first-order, as the registered op: a second derivative raises
     def backward(ctx, g):
         ga, gb = split_backward(g, ctx.ca, *ctx.dtypes)
         return ga, gb, None

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .common import arch_key, cdiv, next_pow2, sm_count, triton_usable
 from .nsc import cast_rne, flat_nsc, nsc_strides, to_f32
@@ -492,6 +493,7 @@ class _GroupNormFn(torch.autograd.Function):
         return y, mean, rstd
 
     @staticmethod
+    @once_differentiable  # first-order, as the registered op: a second derivative raises
     def backward(ctx, dy, _dmean, _drstd):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db = backward(dy, x, weight, bias, mean, rstd, ctx.num_groups, ctx.relu)
