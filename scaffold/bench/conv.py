@@ -1,6 +1,7 @@
 """Benchmark every conv site of the U-Net: Triton kernels against cuDNN, in the same run.
 
-    python -m scaffold.bench.conv --scale 7,8 [--sites stem,head] [--timer wall|device|host] [--out conv.json]
+    python -m scaffold.bench.conv --scale 7,8 [--sites stem,head] [--timer wall|device|host]
+                                  [--out conv.json]
 
 For each site (stem, each 3×3×3 conv, the transposed convs, the 1×1×1 head) and each direction
 (forward, backward-data, backward-weight incl. the bias gradient) it times, on the same bf16 NDHWC
@@ -11,8 +12,8 @@ time where the measured route (scaffold/kernels/routes.py) takes Triton, else th
 Medians of triton.testing.do_bench (`--timer wall`, the default) or of CUDA-graph replays (`--timer
 device`: device time without the host's launch cost, which dominates the small sites as launched from
 Python), or the host's launch cost alone (`--timer host`: Python, dispatch and launchers, timed
-while the device is held busy), ratios, TFLOP/s, and per-model totals where each site is weighted by how often it occurs in
-the model. Needs a CUDA GPU.
+while the device is held busy), ratios, TFLOP/s, and per-model totals where each site is weighted by
+how often it occurs in the model. Needs a CUDA GPU.
 """
 from __future__ import annotations
 
