@@ -16,7 +16,8 @@ from scaffold.kernels import conv_box
 
 
 def main():
-    site = next(s for s, _ in distinct_sites(model_sites(7)) if s.name.startswith(sys.argv[1] if len(sys.argv) > 1 else "down4a"))
+    prefix = sys.argv[1] if len(sys.argv) > 1 else "down4a"
+    site = next(s for s, _ in distinct_sites(model_sites(7)) if s.name.startswith(prefix))
     x, w, b, dy = site_tensors(site)
     fwd = triton_calls(site, x, w, b, dy)["fwd"]
     jit = conv_box._conv_box_kernel

@@ -36,7 +36,8 @@ def profile(fn, calls: int) -> str:
 
 
 def main(argv=None) -> int:
-    from scaffold.bench.conv import DIRECTIONS, distinct_sites, model_sites, site_tensors, triton_calls, vendor_calls
+    from scaffold.bench.conv import (DIRECTIONS, distinct_sites, model_sites, site_tensors, triton_calls,
+                                     vendor_calls)
     from scaffold.bench.timing import host_ms, graph_ms
 
     p = argparse.ArgumentParser()
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
         for d in DIRECTIONS:
             ht, hv = host_ms(tri[d]), host_ms(ven[d])
             dt = graph_ms(tri[d], reps=20)
-            line = f"{site.name:24s} {d:10s} host triton {ht*1e3:7.1f} us  cudnn {hv*1e3:7.1f} us  device triton {dt*1e3:7.1f} us"
+            line = (f"{site.name:24s} {d:10s} host triton {ht*1e3:7.1f} us  cudnn {hv*1e3:7.1f} us  "
+                    f"device triton {dt*1e3:7.1f} us")
             print(line, flush=True)
             report.append(line)
             report.append(profile(tri[d], 200))
