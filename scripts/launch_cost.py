@@ -6,7 +6,6 @@ measurement only, nothing in the package launches this way). Needs a CUDA GPU.
     python scripts/launch_cost.py [site-prefix]
 """
 import sys
-import time
 
 import torch
 
