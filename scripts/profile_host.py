@@ -65,27 +65,11 @@ def main(argv=None) -> int:
         f.write("\n".join(report))
     if a.step:
         from scaffold import determinism
-        from scaffold.bench.minibatch import build
-        from scaffold.data.loader import make_input
-        from scaffold.loss import SegmentationLoss
+        from scaffold.bench.minibatch import make_step
 
         determinism.configure("default")
-        dev = torch.device("cuda")
-        model, net = build("ladder", 7, 64, dev)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        loss_fn = SegmentationLoss(torch.linspace(0.5, 2.0, 6)).to(dev)
-        masks = torch.randint(0, 6, (2, 1, 128, 128, 128), dtype=torch.uint8).to(dev)
-        palette = torch.rand(6, 3).to(dev)
-
-        def step():
-            m = masks[0]
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = net(make_input(m, palette))
-            loss_fn(logits, m.long()).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        _, step_i = make_step("ladder", 7, 64, torch.device("cuda"))
+        step = lambda: step_i(0)  # noqa: E731
         for _ in range(3):
             step()
         hs = host_ms(step, calls=1, rounds=5)

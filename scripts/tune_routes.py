@@ -83,7 +83,8 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
         if on_site is not None:
             on_site(table, {"scale": scale, "timer": timer, "rows": rows, "totals_ms": totals,
                             "partial": True})
-    log(f"scale {scale}, count-weighted ms ({timer} time): " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items())
+    log(f"scale {scale}, count-weighted ms ({timer} time): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in totals.items())
         + " (routed: the chosen side's median, from the same timings that chose it)")
     return table, {"scale": scale, "timer": timer, "reps": reps, "margin": margin, "rows": rows,
                    "totals_ms": totals}

@@ -92,12 +92,13 @@ def step_breakdown(step, steps: int) -> dict:
             "host_ms_per_step": host_step_ms, "top_kernels_ms": top}
 
 
-def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, warmup: int,
-                 device: torch.device, profile: bool = False) -> dict:
+def make_step(variant: str, scale: int, width: int, device: torch.device, n_classes: int = 6):
+    """(model, step) of a variant: step(i) is one whole training step on the i-th of 4 fixed random
+    volumes (input built on the device, forward under bf16 autocast on CUDA, loss, backward, clip,
+    Adam, zero grads)."""
     from scaffold.data.loader import make_input
     from scaffold.loss import SegmentationLoss
 
-    n_classes = 6
     model, net = build(variant, scale, width, device, n_classes)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = SegmentationLoss(torch.linspace(0.5, 2.0, n_classes)).to(device)
@@ -116,6 +117,13 @@ def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, wa
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return model, step
+
+
+def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, warmup: int,
+                 device: torch.device, profile: bool = False) -> dict:
+    model, step = make_step(variant, scale, width, device)
+    cuda = device.type == "cuda"
     t0 = time.perf_counter()
     for i in range(warmup):
         step(i)

@@ -49,25 +49,29 @@ def next_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _cuda_arch(index: int) -> str:
+    major, minor = _capability(index)
+    return f"sm{major}{minor}"
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def cuda_major(device: torch.device) -> int:
     """Compute capability major of a CUDA device (9 on Hopper), looked up once per device."""
-    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device())
+    return _capability(_index(device))[0]
 
 
 def arch_key(device: torch.device) -> str:
     """Key of the frozen tile tables: 'sm90' on Hopper, 'cpu' under the interpreter."""
     if device.type == "cuda":
-        return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_arch(_index(device))
     return "cpu"
 
 
@@ -80,6 +84,6 @@ def sm_count(device: torch.device) -> int:
     """Multiprocessors of the device (a fixed 4 under the interpreter, so split counts stay pure
     functions of shape and device)."""
     if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return _sm_count(_index(device))
     return 4
 

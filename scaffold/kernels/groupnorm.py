@@ -470,11 +470,16 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(mean, rstd)
 
 
-def _backward(ctx, dy, _dmean, _drstd):
+def _grads(ctx, dy, bwd):
+    """The forward's input gradients from `bwd` (the registered op or the launcher)."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = group_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.num_groups, ctx.relu)
+    dx, dw, db = bwd(dy, x, weight, bias, mean, rstd, ctx.num_groups, ctx.relu)
     return (dx, dw if weight is not None else None, db if bias is not None else None,
             None, None, None, None)
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    return _grads(ctx, dy, group_norm_bwd)
 
 
 group_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -495,10 +500,7 @@ class _GroupNormFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # first-order, as the registered op: a second derivative raises
     def backward(ctx, dy, _dmean, _drstd):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = backward(dy, x, weight, bias, mean, rstd, ctx.num_groups, ctx.relu)
-        return (dx, dw if weight is not None else None, db if bias is not None else None,
-                None, None, None, None)
+        return _grads(ctx, dy, backward)
 
 
 # --- public entry points --------------------------------------------------------------------------
