@@ -81,6 +81,8 @@ class LadderConfig:
     """Rung for GroupNorm(+ReLU) sites: auto | triton | vendor."""
     concat: str = "auto"
     """Rung for the U-Net's skip concat: auto | triton | vendor."""
+    pool: str = "auto"
+    """Rung for the 2×2×2 max pool: auto (Triton on CUDA) | triton | vendor (same bits on every rung)."""
     loss: str = "auto"
     """Rung for the CE + Dice loss head: auto (fused Triton kernel on CUDA) | triton | vendor (eager)."""
 
@@ -187,7 +189,7 @@ def validate(cfg: Any) -> None:
     _need(cfg.checkpoint_interval >= 0, "checkpoint_interval", "an integer >= 0",
           cfg.checkpoint_interval)
     _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)
-    for key in ("conv", "conv_transpose", "group_norm", "concat", "loss"):
+    for key in ("conv", "conv_transpose", "group_norm", "concat", "pool", "loss"):
         value = getattr(cfg.ladder, key)
         allowed = CONV_RUNGS if key in ("conv", "conv_transpose") else RUNGS
         _need(value in allowed, f"ladder.{key}", " | ".join(allowed), value)

@@ -23,6 +23,7 @@ def fake_rungs():
         "group_norm": lambda x, g, w, b, eps, relu, out_dtype: (F.relu if relu else (lambda t: t))(
             F.group_norm(x, g, w, b, eps)).to(out_dtype or x.dtype),
         "concat": lambda a, b, dtype: torch.cat([a, b], 1),
+        "pool": lambda x: F.max_pool3d(x, 2),
     }
     saved = {}
     for op in L.OPS:
@@ -44,7 +45,8 @@ def fake_rungs():
 
 def _model(ladder=None):
     torch.manual_seed(0)
-    return UNet3d(4, base_width=4, groups=2, ladder=ladder)  # 7 convs, 1 transposed, 6 norms, 1 concat
+    # 7 convs, 1 transposed, 6 norms, 1 concat, 1 pool
+    return UNet3d(4, base_width=4, groups=2, ladder=ladder)
 
 
 X = torch.randn(1, 3, 16, 16, 16, generator=torch.Generator().manual_seed(1))
@@ -57,18 +59,20 @@ def test_auto_on_cpu_is_vendor_even_with_a_rung(fake_rungs):
     c = census(model)
     assert c["conv"] == {"vendor": 7} and c["conv_transpose"] == {"vendor": 1}
     assert c["group_norm"] == {"vendor": 6} and c["concat"] == {"vendor": 1} and c["fallbacks"] == []
+    assert c["pool"] == {"vendor": 1}
 
 
 def test_forced_triton_runs_the_rung_and_matches_vendor(fake_rungs):
-    reference = _model(LadderConfig("vendor", "vendor", "vendor", "vendor"))(X)
-    model = _model(LadderConfig("triton", "triton", "triton", "triton"))
+    reference = _model(LadderConfig("vendor", "vendor", "vendor", "vendor", "vendor"))(X)
+    model = _model(LadderConfig("triton", "triton", "triton", "triton", "triton"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         y = model(X)
     assert torch.equal(y, reference)
-    assert fake_rungs["calls"] == {"conv": 7, "conv_transpose": 1, "group_norm": 6, "concat": 1}
+    assert fake_rungs["calls"] == {"conv": 7, "conv_transpose": 1, "group_norm": 6, "concat": 1, "pool": 1}
     c = census(model)
     assert c["conv"] == {"triton": 7} and c["group_norm"] == {"triton": 6} and c["concat"] == {"triton": 1}
+    assert c["pool"] == {"triton": 1}
     assert c["modules"]["inc.conv1"] == "triton" and c["modules"]["outc"] == "triton"
 
 
@@ -196,7 +200,8 @@ def test_forward_paths_have_no_host_reads():
 
     host_reads = re.compile(r"\.(item|tolist|cpu|numpy)\(|nonzero|unique|(?<![\w.])(bool|float|int)\(")
     fns = [L.select_rung, L.LadderSite._run, L.FastConv3d.forward, L.FastConvTranspose3d.forward,
-           L.FastGroupNorm.forward, L.FastGroupNorm._vendor, L.FastConcat.forward, pool.max_pool2,
+           L.FastGroupNorm.forward, L.FastGroupNorm._vendor, L.FastConcat.forward, L.FastMaxPool2.forward,
+           pool.max_pool2,
            pool._MaxPool2.forward, pool._MaxPool2.backward, blocks.DoubleConv.forward, blocks.Up.forward,
            blocks.Down.forward, unet.UNet3d.forward]
     for fn in fns:

@@ -9,7 +9,8 @@ from scaffold.config import LadderConfig
 from scaffold.kernels.common import triton_usable
 from scaffold.model import UNet3d, census, set_ladder
 
-for _module in ("scaffold.kernels.conv", "scaffold.kernels.groupnorm", "scaffold.kernels.concat"):
+for _module in ("scaffold.kernels.conv", "scaffold.kernels.groupnorm", "scaffold.kernels.concat",
+                "scaffold.kernels.pool"):
     pytest.importorskip(_module)
 
 
@@ -25,7 +26,7 @@ def test_forced_triton_unet_matches_vendor():
     y_vendor.square().sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    set_ladder(model, LadderConfig("triton", "triton", "triton", "triton"))
+    set_ladder(model, LadderConfig("triton", "triton", "triton", "triton", "triton"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no unsupported site, no fallback
         y = model(x)
@@ -33,7 +34,7 @@ def test_forced_triton_unet_matches_vendor():
     c = census(model)
     assert c["fallbacks"] == []
     assert c["conv"] == {"triton": 7} and c["conv_transpose"] == {"triton": 1}
-    assert c["group_norm"] == {"triton": 6} and c["concat"] == {"triton": 1}
+    assert c["group_norm"] == {"triton": 6} and c["concat"] == {"triton": 1} and c["pool"] == {"triton": 1}
     # fp32 on the GPU may multiply in TF32 (10-bit mantissa); the interpreter computes in fp32
     tol = dict(rtol=1e-2, atol=1e-2) if device == "cuda" else dict(rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(y, y_vendor, **tol)

@@ -3,7 +3,7 @@
 Times the whole training step of the model (input built on the device, forward under bf16 autocast, loss,
 backward, gradient clip, Adam, zero grads) for several variants, side by side in one process:
   ladder    the default: every site on its `auto` rung (the convolutions `routed`: per direction on
-            Triton or deterministic cuDNN as the measured routes say; GroupNorm and concat on Triton)
+            Triton or deterministic cuDNN as the measured routes say; GroupNorm, concat and the max pool on Triton)
   triton    the default with the convolutions forced onto the Triton rung (conv=triton,
             conv_transpose=triton), to weigh that rung inside the real step
   cudnn     the default with the convolutions forced onto vendor (cuDNN), the other sites as ladder
@@ -32,7 +32,7 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
     cfg.model.base_width = width
     rung = "auto" if variant in ("ladder", "triton", "cudnn") else "vendor"
     conv = {"triton": "triton", "cudnn": "vendor"}.get(variant, rung)
-    cfg.ladder = LadderConfig(conv=conv, conv_transpose=conv, group_norm=rung, concat=rung)
+    cfg.ladder = LadderConfig(conv=conv, conv_transpose=conv, group_norm=rung, concat=rung, pool=rung)
     determinism.seed_all(0)
     model = UNet3d.from_config(cfg, n_classes).to(device)
     if device.type == "cuda":
@@ -46,6 +46,7 @@ CATEGORIES = (
     ("group_norm", ("_gn_", "group_norm", "GroupNorm", "RowwiseMoments", "GammaBeta", "ComputeFusedParams",
                     "ComputeInternalGradients", "ComputeBackwardFusedParams")),
     ("concat", ("_concat_kernel", "_split_kernel", "CatArrayBatched")),
+    ("pool", ("_pool_fwd_kernel", "_pool_bwd_kernel")),
     ("loss", ("_loss_", "softmax", "nll")),
     ("conv", ("conv", "Conv", "cudnn", "xmma", "cutlass", "sm90_", "implicit", "wgrad", "dgrad",
               "_bias_grad_kernel")),
@@ -153,7 +154,7 @@ def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, wa
         from scaffold.model.ladder import census as ladder_census
 
         c = ladder_census(model)
-        census = {op: c[op] for op in ("conv", "conv_transpose", "group_norm", "concat")}
+        census = {op: c[op] for op in ("conv", "conv_transpose", "group_norm", "concat", "pool")}
     return {"variant": variant, "step_ms_median": statistics.median(per_step), "step_ms_reps": per_step,
             "warmup_s": warm_s, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "census": census, "breakdown": breakdown}

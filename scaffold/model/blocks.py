@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scaffold.model.ladder import FastConcat, FastConv3d, FastConvTranspose3d, FastGroupNorm
-from scaffold.model.pool import MaxPool2
+from scaffold.model.ladder import FastConcat, FastConv3d, FastConvTranspose3d, FastGroupNorm, FastMaxPool2
 
 
 class DoubleConv(nn.Module):
@@ -31,7 +30,7 @@ class DoubleConv(nn.Module):
 class Down(nn.Module):
     def __init__(self, in_channels: int, groups: int):
         super().__init__()
-        self.pool = MaxPool2()
+        self.pool = FastMaxPool2()
         self.conv = DoubleConv(in_channels, 2 * in_channels, groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The ladder: drop-in torch modules whose every call runs on one rung, chosen without timing.
 
-A *rung* is one implementation of an operator kind (`conv`, `conv_transpose`, `group_norm`, `concat`):
+A *rung* is one implementation of an operator kind (`conv`, `conv_transpose`, `group_norm`, `concat`,
+`pool`):
 `vendor` is torch's own op (cuDNN / MIOpen / the CPU kernels) and is always there; `triton` is ours,
 loaded lazily from `scaffold.kernels` so that a missing or broken kernel module only makes the rung
 unavailable. Other rungs can be registered (the tests register fakes).
@@ -9,7 +10,8 @@ Which rung a call takes is a pure function of (device, dtype, shape, config): `s
 depends on a timing race, so the bits a run produces do not depend on it either. Settings per kind:
   auto   - on CUDA the kind's AUTO_RUNG when it is registered and supports the call, else vendor (on the
            CPU auto is always vendor: the Triton interpreter is for tests, which force a rung). That is
-           `triton` for GroupNorm and concat, and `routed` for the convolutions: per measured shape,
+           `triton` for GroupNorm, concat and the max pool, and `routed` for the convolutions: per
+           measured shape,
            each direction on whichever of Triton and deterministic cuDNN was faster
   triton - `triton` where supported, vendor otherwise (a module warns once when it cannot honour this)
   routed - (convolutions) the per-direction routes, also on the CPU under the interpreter
@@ -27,6 +29,7 @@ Argument tuples per kind (the same for `supports` and `forward`):
   conv_transpose: (x, weight, bias, stride, padding, output_padding, groups, dilation)
   group_norm:     (x, num_groups, weight, bias, eps, relu, out_dtype)   out_dtype None = as F.group_norm
   concat:         (a, b, dtype)                 -> cat([a, b], dim=1)
+  pool:           (x,)                          -> the 2×2×2 max pool (scaffold.model.pool.max_pool2)
 
 The census (`census`, `format_census`) says which rung every module ran and which ones fell back.
 """
@@ -43,8 +46,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scaffold.config import ConfigError
+from scaffold.model.pool import max_pool2
 
-OPS = ("conv", "conv_transpose", "group_norm", "concat")
+OPS = ("conv", "conv_transpose", "group_norm", "concat", "pool")
 VENDOR = "vendor"
 AUTO = "auto"
 FAST = "triton"
@@ -91,7 +95,8 @@ def get_rung(op: str, name: str) -> Optional[Rung]:
 # (scaffold/kernels/routes.py); unmeasured shapes stay on vendor. `ladder.conv=triton` forces the
 # Triton kernels for every direction.
 ROUTED = "routed"
-AUTO_RUNG = {"conv": ROUTED, "conv_transpose": ROUTED, "group_norm": FAST, "concat": FAST}
+AUTO_RUNG = {"conv": ROUTED, "conv_transpose": ROUTED, "group_norm": FAST, "concat": FAST,
+             "pool": FAST}
 
 
 def select_rung(op: str, setting: str, device: torch.device, args: tuple) -> str:
@@ -153,6 +158,8 @@ def _register_triton_rungs() -> None:
         forward_kwargs=lambda a: {"out_dtype": a[6]})
     _REGISTRY["concat"][FAST] = _lazy_rung(
         "scaffold.kernels.concat", "concat_channels", "concat_supported", keep, lambda a: a[:2])
+    _REGISTRY["pool"][FAST] = _lazy_rung(
+        "scaffold.kernels.pool", "max_pool2", "max_pool2_supported", keep, keep)
 
 
 _register_triton_rungs()
@@ -293,6 +300,21 @@ class FastConcat(LadderSite, nn.Module):
         return self._run((a, b, dtype), lambda: torch.cat([a, b], dim=1))
 
 
+class FastMaxPool2(LadderSite, nn.Module):
+    """The 2×2×2 max pool on the ladder (the U-Net's Down blocks); holds no parameters. Every rung gives
+    F.max_pool3d(x, 2)'s values and sends each window's gradient to its first maximal element, with a
+    deterministic backward (see scaffold.model.pool)."""
+
+    op = "pool"
+
+    def __init__(self):
+        super().__init__()
+        self._init_site()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run((x,), lambda: max_pool2(x))
+
+
 # --- configuring a model, and its census ----------------------------------------------------------
 
 def _sites(model: nn.Module):
@@ -301,11 +323,12 @@ def _sites(model: nn.Module):
 
 def ladder_settings(ladder: Any) -> dict[str, str]:
     """Setting per operator kind from a LadderConfig (or None = all auto). A config object without a
-    `concat` field gives the skip concat the `group_norm` setting."""
+    `concat` or `pool` field gives those the `group_norm` setting."""
     if ladder is None:
         return {op: AUTO for op in OPS}
     settings = {op: getattr(ladder, op) for op in OPS[:3]}
-    settings["concat"] = getattr(ladder, "concat", settings["group_norm"])
+    for op in ("concat", "pool"):
+        settings[op] = getattr(ladder, op, settings["group_norm"])
     for op, value in settings.items():
         allowed = {AUTO, VENDOR, FAST, *_REGISTRY[op]}
         if value not in allowed:

@@ -8,12 +8,13 @@ window, as max_pool's does. The backward is elementwise (a one-hot of the saved 
 incoming gradient): no scatter, no atomics, deterministic on every device.
 
 The gather works in the tensor's physical layout, so channels-last (NDHWC) input stays channels-last
-and the window copy reads memory in order.
+and the window copy reads memory in order. This is the pool's `vendor` rung (every device, every
+layout); on CUDA the ladder's `triton` rung (scaffold.kernels.pool) gives the same bits in one pass
+each way.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 
 def _channels_last(x: torch.Tensor) -> bool:
@@ -68,10 +69,3 @@ def max_pool2(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 5 or any(s % 2 for s in x.shape[2:]):
         raise ValueError(f"max_pool2: expected (N, C, D, H, W) with even D, H, W, got {tuple(x.shape)}")
     return _MaxPool2.apply(x)
-
-
-class MaxPool2(nn.Module):
-    """Module form of `max_pool2` (no parameters)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return max_pool2(x)
