@@ -3,7 +3,8 @@
 Times the whole training step of the model (input built on the device, forward under bf16 autocast, loss,
 backward, gradient clip, Adam, zero grads) for several variants, side by side in one process:
   ladder    the default: every site on its `auto` rung (the convolutions `routed`: per direction on
-            Triton or deterministic cuDNN as the measured routes say; GroupNorm, concat and the max pool on Triton)
+            Triton or deterministic cuDNN as the measured routes say; GroupNorm, concat and the max
+            pool on Triton)
   triton    the default with the convolutions forced onto the Triton rung (conv=triton,
             conv_transpose=triton), to weigh that rung inside the real step
   cudnn     the default with the convolutions forced onto vendor (cuDNN), the other sites as ladder

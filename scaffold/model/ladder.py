@@ -11,8 +11,7 @@ depends on a timing race, so the bits a run produces do not depend on it either.
   auto   - on CUDA the kind's AUTO_RUNG when it is registered and supports the call, else vendor (on the
            CPU auto is always vendor: the Triton interpreter is for tests, which force a rung). That is
            `triton` for GroupNorm, concat and the max pool, and `routed` for the convolutions: per
-           measured shape,
-           each direction on whichever of Triton and deterministic cuDNN was faster
+           measured shape, each direction on whichever of Triton and deterministic cuDNN was faster
   triton - `triton` where supported, vendor otherwise (a module warns once when it cannot honour this)
   routed - (convolutions) the per-direction routes, also on the CPU under the interpreter
   vendor - always vendor
