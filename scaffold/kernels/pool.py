@@ -1,4 +1,5 @@
-"""2×2×2 max pooling, stride 2, on channels-last (NDHWC) tensors: one pass forward, one pass backward.
+"""2×2×2 max pooling, stride 2: one pass forward, one pass backward; channels-last (NDHWC) out, any
+input strides (NDHWC is the layout that reads in order).
 
 Algorithm. Forward: a program takes BLOCK_P pooled voxels × BLOCK_C channels and reads their windows'
 8 voxels in window order (d, h, w), channels fastest (the NDHWC rows). The running maximum is replaced
