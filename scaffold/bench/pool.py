@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
+    if any(not BOTTLENECK < s <= 9 for s in args.scales):
+        raise SystemExit(f"--scales {args.scales}: expected integers in {BOTTLENECK + 1}..9")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (device time is measured with CUDA graphs)")
     result = bench(args.scales, args.reps)
