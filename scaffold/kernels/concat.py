@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from .common import cdiv, next_pow2, triton_usable
 from .groupnorm import MAX_CHANNELS
-from .nsc import cast_rne, flat_nsc
+from .nsc import cast_rne, empty_channels_last, flat_nsc
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 8192  # elements per half-tile: 16-32 KB in flight per program, enough to stream
@@ -74,9 +74,6 @@ def _geometry(N: int, S: int, ca: int, cb: int):
     return (cdiv(N * S, block_r),), dict(BLOCK_R=block_r, BLOCK_CA=block_ca, BLOCK_CB=block_cb)
 
 
-def _channels_last(shape, dtype, device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device, memory_format=torch.channels_last_3d)
-
 
 def concat_forward(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -85,7 +82,7 @@ def concat_forward(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
     cb = b.shape[1]
     S = a[0, 0].numel()
     if out is None:
-        out = _channels_last((N, ca + cb) + tuple(a.shape[2:]), dtype, a.device)
+        out = empty_channels_last((N, ca + cb) + tuple(a.shape[2:]), dtype, a.device)
     a, sa = flat_nsc(a)
     b, sb = flat_nsc(b)
     out, so = flat_nsc(out)
@@ -99,8 +96,8 @@ def split_backward(g: torch.Tensor, ca: int, a_dtype: torch.dtype, b_dtype: torc
     N, C = g.shape[:2]
     cb = C - ca
     S = g[0, 0].numel()
-    ga = _channels_last((N, ca) + tuple(g.shape[2:]), a_dtype, g.device)
-    gb = _channels_last((N, cb) + tuple(g.shape[2:]), b_dtype, g.device)
+    ga = empty_channels_last((N, ca) + tuple(g.shape[2:]), a_dtype, g.device)
+    gb = empty_channels_last((N, cb) + tuple(g.shape[2:]), b_dtype, g.device)
     g, sg = flat_nsc(g)
     grid, meta = _geometry(N, S, ca, cb)
     _split_kernel[grid](g, ga, gb, N * S, S, ca, cb, *sg, *flat_nsc(ga)[1], *flat_nsc(gb)[1], **meta,
@@ -115,7 +112,7 @@ def concat_op(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 @concat_op.register_fake
 def _(a, b, dtype):
-    return _channels_last((a.shape[0], a.shape[1] + b.shape[1]) + tuple(a.shape[2:]), dtype, a.device)
+    return empty_channels_last((a.shape[0], a.shape[1] + b.shape[1]) + tuple(a.shape[2:]), dtype, a.device)
 
 
 @torch.library.custom_op("scaffold::split_channels", mutates_args=())
@@ -127,8 +124,8 @@ def split_op(g: torch.Tensor, ca: int, a_dtype: torch.dtype,
 @split_op.register_fake
 def _(g, ca, a_dtype, b_dtype):
     rest = tuple(g.shape[2:])
-    return (_channels_last((g.shape[0], ca) + rest, a_dtype, g.device),
-            _channels_last((g.shape[0], g.shape[1] - ca) + rest, b_dtype, g.device))
+    return (empty_channels_last((g.shape[0], ca) + rest, a_dtype, g.device),
+            empty_channels_last((g.shape[0], g.shape[1] - ca) + rest, b_dtype, g.device))
 
 
 def _setup_context(ctx, inputs, output):

@@ -36,6 +36,11 @@ def flat_nsc(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return t, strides
 
 
+def empty_channels_last(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised 5-D tensor of `shape` in channels-last (NDHWC) memory order."""
+    return torch.empty(shape, dtype=dtype, device=device, memory_format=torch.channels_last_3d)
+
+
 # --- dtype helpers that give torch's bits on the GPU and in the CPU interpreter alike -------------
 # Triton's CPU interpreter (3.9) truncates when converting to bf16 and mishandles bf16 subnormals; these
 # spell the conversions out where that matters, and give the same bits on the GPU.

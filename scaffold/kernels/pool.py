@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from .common import cdiv, next_pow2, triton_usable
 from .grid import voxel_coords
-from .nsc import to_f32
+from .nsc import empty_channels_last, to_f32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements of one window offset per program (the forward makes 8 loads of this many, the backward 8
@@ -92,9 +92,6 @@ def _geometry(pooled: int, c: int, tile: int):
     return (cdiv(pooled, block_p), cdiv(c, block_c)), dict(BLOCK_P=block_p, BLOCK_C=block_c)
 
 
-def _channels_last(shape, dtype, device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device, memory_format=torch.channels_last_3d)
-
 
 def _pooled_shape(shape) -> tuple:
     n, c, d, h, w = shape
@@ -107,8 +104,8 @@ def pool_forward(x: torch.Tensor, out: Optional[torch.Tensor] = None,
     (d, h, w) order) of its first maximal element, channels-last (or into `out`, `index`: any
     strides); x may have any strides."""
     shape = _pooled_shape(x.shape)
-    y = _channels_last(shape, x.dtype, x.device) if out is None else out
-    index = _channels_last(shape, torch.uint8, x.device) if index is None else index
+    y = empty_channels_last(shape, x.dtype, x.device) if out is None else out
+    index = empty_channels_last(shape, torch.uint8, x.device) if index is None else index
     n, c, do, ho, wo = shape
     grid, meta = _geometry(n * do * ho * wo, c, _FWD_TILE)
     _pool_fwd_kernel[grid](x, y, index, n * do * ho * wo, c, do, ho, wo, *x.stride(), *y.stride(),
@@ -121,7 +118,7 @@ def pool_backward(g: torch.Tensor, index: torch.Tensor, dtype: torch.dtype,
     """dx (N, C, 2D', 2H', 2W') in `dtype`, channels-last (or into `out`): g where the window's index
     points, else 0. g and index may have any strides."""
     n, c, do, ho, wo = g.shape
-    dx = _channels_last((n, c, 2 * do, 2 * ho, 2 * wo), dtype, g.device) if out is None else out
+    dx = empty_channels_last((n, c, 2 * do, 2 * ho, 2 * wo), dtype, g.device) if out is None else out
     grid, meta = _geometry(n * do * ho * wo, c, _BWD_TILE)
     _pool_bwd_kernel[grid](g, index, dx, n * do * ho * wo, c, do, ho, wo, *g.stride(),
                            *index.stride(), *dx.stride(), **meta, num_warps=4)
