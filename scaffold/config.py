@@ -108,6 +108,10 @@ class Config:
     """auto (CUDA when present) | cpu | cuda | cuda:N."""
     precision: str = "auto"
     """auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32."""
+    cuda_graph: str = "auto"
+    """auto (on one CUDA device in one process, capture the step's forward, loss and backward once as a
+    CUDA graph and replay it: the same bits as eager, without the host's per-kernel launch cost) | on
+    (the same, and an error where it cannot run) | off (eager steps)."""
     checkpoint_interval: int = 1
     """Write the `last` checkpoint every this many epochs (0 = never; `best` is always kept)."""
     warmup_steps: int = 2
@@ -130,6 +134,7 @@ RUNGS = ("auto", "triton", "vendor")
 CONV_RUNGS = ("auto", "routed", "triton", "vendor")  # routed: per-direction routes (kernels/routes.py)
 DETERMINISM_MODES = ("default", "strict", "off")
 PRECISIONS = ("auto", "bf16", "fp32")
+CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 
 def _need(ok: bool, key: str, expected: str, value: Any) -> None:
@@ -186,6 +191,9 @@ def validate(cfg: Any) -> None:
     dev = str(cfg.device)
     _need(dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:"), "device",
           "auto | cpu | cuda | cuda:N", cfg.device)
+    _need(cfg.cuda_graph in CUDA_GRAPH_MODES, "cuda_graph", " | ".join(CUDA_GRAPH_MODES), cfg.cuda_graph)
+    _need(not (cfg.cuda_graph == "on" and dev == "cpu"), "cuda_graph",
+          "auto or off with device=cpu (CUDA graphs need a CUDA device)", cfg.cuda_graph)
     _need(cfg.checkpoint_interval >= 0, "checkpoint_interval", "an integer >= 0",
           cfg.checkpoint_interval)
     _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)

@@ -5,6 +5,9 @@ Why it looks the way it does:
   epoch travels to the device once (pinned, non-blocking); the input is built on the device as
   palette[mask]; losses, Dice sums and step timings (CUDA events) stay on the device and are read once, at
   the end of the epoch. `torch.cuda.set_sync_debug_mode("error")` around an epoch proves it.
+- On one CUDA device the step's forward, loss and backward are captured once as a CUDA graph and
+  replayed (`cuda_graph`, scaffold/graphs.py): the same kernels and bits, one launch instead of about a
+  thousand, so the host no longer sets the step time. Clip and Adam stay eager.
 - The batch order of epoch e is a pure function of (seed, e), so a resumed run only needs the epoch number
   to continue the sampler exactly where it stood.
 - Warm-up steps (compilation, allocation) run on a throw-away copy of the model and optimizer, so they
@@ -137,6 +140,7 @@ class Trainer:
             self.optimizer, T_0=cfg.optim.t0, T_mult=cfg.optim.t_mult, eta_min=cfg.optim.eta_min)
         self.progress = Progress()
         self.census_done = False
+        self.graph = None  # scaffold.graphs.StepGraph once prepare_graph has captured the step
         self.on_first_step = None  # callback(model) after the first real step (the census)
 
     # ----------------------------------------------------------------------------------- the step
@@ -146,20 +150,59 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def step(self, masks: torch.Tensor, net=None, optimizer=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on a batch of masks; returns (batch loss, per-sample soft Dice), on device."""
+        """One optimizer step on a batch of masks; returns (batch loss, per-sample soft Dice), on device.
+        The real model's forward, loss and backward replay the captured graph where there is one
+        (`prepare_graph`); the returned tensors are then the graph's, valid until the next step."""
         net = net or self.net
         optimizer = optimizer or self.optimizer
+        graphed = self.graph is not None and net is self.net and optimizer is self.optimizer
+        if graphed and self.graph.fits(masks):
+            loss, dice = self.graph.run(masks)
+        else:
+            if graphed:  # another batch shape (an epoch's short last batch): eager, into the graph's grads
+                optimizer.zero_grad(set_to_none=False)
+            loss, dice = self.forward_backward(masks, net)
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), self.cfg.optim.grad_clip, foreach=True)
+        optimizer.step()
+        if not graphed:  # the graph writes the same gradient tensors again on its next replay
+            optimizer.zero_grad(set_to_none=True)
+        return loss.detach(), dice.detach()
+
+    def forward_backward(self, masks: torch.Tensor, net=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, loss and backward of one batch (the part of the step a CUDA graph captures)."""
+        net = net or self.net
         x = make_input(masks, self.vol.palette)
         with self._autocast():
             logits = net(x)
         # The uint8 masks are the labels: the loss reads them as they are (no int64 copy per step).
         loss, _, dice = self.loss_fn.terms(logits, masks)  # fp32, outside autocast
         loss.backward()
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), self.cfg.optim.grad_clip, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), dice.detach()
+        return loss, dice
+
+    def use_graph(self) -> bool:
+        """Whether this run captures its step as a CUDA graph (`cuda_graph`: auto/on on one CUDA device
+        in one process; `worker.run` rejects `on` elsewhere before any work)."""
+        mode = getattr(self.cfg, "cuda_graph", "off")
+        return mode != "off" and self.device.type == "cuda" and self.place.world == 1 \
+            and self.net is self.model
+
+    def prepare_graph(self) -> float:
+        """Captures the real model's forward, loss and backward (once; outside any epoch, since the
+        capture synchronizes the device); returns the seconds it took (0 when not used)."""
+        if self.graph is not None or not self.use_graph():
+            return 0.0
+        from scaffold.graphs import StepGraph
+
+        t0 = time.perf_counter()
+        rng = determinism.rng_state()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        self.graph = StepGraph(self.forward_backward, self.model.parameters(),
+                               self.vol.train[: self.cfg.batch_size])
+        determinism.set_rng_state(rng)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def batch_order(self, epoch: int) -> torch.Tensor:
         """This rank's sample order for an epoch, on the device: a pure function of (seed, epoch)."""
@@ -264,6 +307,7 @@ class Trainer:
         """Epochs until the validation Dice reaches the target or the epoch cap; returns the bookkeeping."""
         cfg, p = self.cfg, self.progress
         ckpt_dir = self.run_dir / "checkpoints"
+        self.prepare_graph()  # a no-op where already captured or not used
         first = True  # the profiler window covers the first epoch this invocation runs
         while p.time_to_target is None and (cfg.epochs == -1 or p.epoch < cfg.epochs):
             epoch = p.epoch + 1

@@ -85,6 +85,10 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     determinism.configure(cfg.determinism)  # before anything touches CUDA
     place = distributed.init("cuda" if str(cfg.device) != "cpu" and torch.cuda.is_available() else "cpu")
     device = pick_device(str(cfg.device), place)
+    if cfg.cuda_graph == "on" and (device.type != "cuda" or place.world > 1):
+        where = f"{place.world} processes" if place.world > 1 else f"device {device}"
+        raise ConfigError(f"cuda_graph='on': expected one CUDA device in one process, got {where} "
+                          "(use cuda_graph=auto or off)")
     run_dir = Path(distributed.broadcast_object(str(run_dir), place))
     check_writable(run_dir)
 
@@ -167,6 +171,9 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     warm = trainer.warmup(cfg.warmup_steps)
     if cfg.warmup_steps:
         log.info("warm-up: %d untimed steps on a copy of the model, %.1f s", cfg.warmup_steps, warm)
+    captured = trainer.prepare_graph()
+    if trainer.graph is not None:
+        log.info("step captured as a CUDA graph (forward, loss, backward), %.1f s", captured)
 
     try:
         progress = trainer.fit(stats, profile=cfg.profile)
@@ -185,6 +192,8 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
         "train_time_s": progress.train_time,
         "dataset_s": data_seconds,
         "warmup_s": warm,
+        "cuda_graph": trainer.graph is not None,
+        "graph_capture_s": captured,
         "overrides": overrides or [],
     }
     if place.is_main:

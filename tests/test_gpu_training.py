@@ -125,3 +125,58 @@ def test_training_on_routed_convs_gives_the_same_bits_twice(cache, tmp_path, mon
     census = _train_twice_same_bits(cache, tmp_path, [a for a in TRITON_CONVS if not a.startswith("ladder.")])
     assert census["conv"] == {"routed": 11} and census["conv_transpose"] == {"routed": 2}, census
     assert census["fallbacks"] == []
+
+
+# ---- the step as a CUDA graph (the default on one GPU) against eager steps
+
+def test_graphed_steps_give_the_eager_bits_at_scale7(first_run, cache, tmp_path):
+    """`first_run` ran with the default cuda_graph=auto (captured); the same run with eager steps
+    gives the same CSV (but wall clock) and the same parameters."""
+    assert json.loads((first_run / "result.json").read_text())["cuda_graph"] is True
+    worker.run(tiny_cfg(cache, *SCALE7, "cuda_graph=off"), tmp_path)
+    assert json.loads((tmp_path / "result.json").read_text())["cuda_graph"] is False
+    assert stable_rows(tmp_path / "train_stats.csv") == stable_rows(first_run / "train_stats.csv")
+    assert same_params(params(tmp_path), params(first_run))
+
+
+def test_graph_with_a_short_last_batch_gives_the_eager_bits(cache, tmp_path):
+    """batch_size=2 over 3 training volumes: each epoch's last batch has another shape and runs
+    eagerly into the graph's gradient tensors; the run still matches an all-eager run bit for bit."""
+    cfg = ["scale=5", "model.base_width=16", "device=cuda", "epochs=2", "warmup_steps=1",
+           "batch_size=2"]
+    runs = {mode: tmp_path / mode for mode in ("on", "off")}
+    for mode, run_dir in runs.items():
+        run_dir.mkdir()
+        worker.run(tiny_cfg(cache, *cfg, f"cuda_graph={mode}"), run_dir)
+    assert json.loads((runs["on"] / "result.json").read_text())["cuda_graph"] is True
+    assert stable_rows(runs["on"] / "train_stats.csv") == stable_rows(runs["off"] / "train_stats.csv")
+    assert same_params(params(runs["on"]), params(runs["off"]))
+
+
+def test_step_graph_replays_write_fresh_gradients():
+    """StepGraph: after a replay the gradients are those of that batch alone (not accumulated over
+    replays), bitwise equal to an eager backward of the same batch."""
+    from scaffold.graphs import StepGraph
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).cuda()
+    batches = torch.randn(3, 8, 64, device="cuda")
+
+    def fwd_bwd(x):
+        loss = net(x).square().mean()
+        loss.backward()
+        return (loss,)
+
+    eager = []
+    for x in batches:
+        net.zero_grad(set_to_none=True)
+        loss = fwd_bwd(x)[0]
+        eager.append((loss.detach().clone(), [p.grad.clone() for p in net.parameters()]))
+    net.zero_grad(set_to_none=True)
+    graph = StepGraph(fwd_bwd, net.parameters(), batches[0])
+    assert not graph.fits(batches[0, :4])
+    for _ in range(2):  # replays of the same batch twice: no accumulation
+        for x, (loss, grads) in zip(batches, eager):
+            (g_loss,) = graph.run(x)
+            assert torch.equal(g_loss, loss)
+            assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))

@@ -61,6 +61,8 @@ def test_run_directory_contents(baseline):
     assert (run_dir / "train_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     census = json.loads((run_dir / "census.json").read_text())
     assert census["conv"]["vendor"] > 0  # on the CPU every site runs on the vendor rung
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["cuda_graph"] is False and result["graph_capture_s"] == 0.0  # CPU: eager steps
 
 
 def test_two_runs_give_identical_bits(baseline, cache, tmp_path):
@@ -154,9 +156,11 @@ def test_resume_errors_are_one_line(cache, tmp_path):
     ("more_determinism=true", "more_determinism is retired"),
     ("data.n_categories=0", "data.n_categories=0: expected a positive integer"),
     ("ladder.conv=fast", "ladder.conv='fast': expected auto | routed | triton | vendor"),
+    ("cuda_graph=yes", "cuda_graph='yes': expected auto | on | off"),
+    ("cuda_graph=on device=cpu", "cuda_graph='on': expected auto or off with device=cpu"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, override, expected):
-    res = cli(override, "epochs=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    res = cli(*override.split(), "epochs=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert res.returncode == 2, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], res.stderr

@@ -5,6 +5,8 @@ backward, gradient clip, Adam, zero grads) for several variants, side by side in
   ladder    the default: every site on its `auto` rung (the convolutions `routed`: per direction on
             Triton or deterministic cuDNN as the measured routes say; GroupNorm, concat and the max
             pool on Triton)
+  graphed   the default as the trainer runs it on one GPU: forward, loss and backward captured once
+            as a CUDA graph and replayed (scaffold/graphs.py), clip and Adam eager
   triton    the default with the convolutions forced onto the Triton rung (conv=triton,
             conv_transpose=triton), to weigh that rung inside the real step
   cudnn     the default with the convolutions forced onto vendor (cuDNN), the other sites as ladder
@@ -31,7 +33,7 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
 
     cfg = Config(scale=scale)
     cfg.model.base_width = width
-    rung = "auto" if variant in ("ladder", "triton", "cudnn") else "vendor"
+    rung = "auto" if variant in ("ladder", "graphed", "triton", "cudnn") else "vendor"
     conv = {"triton": "triton", "cudnn": "vendor"}.get(variant, rung)
     cfg.ladder = LadderConfig(conv=conv, conv_transpose=conv, group_norm=rung, concat=rung, pool=rung)
     determinism.seed_all(0)
@@ -110,14 +112,31 @@ def make_step(variant: str, scale: int, width: int, device: torch.device, n_clas
     palette = torch.rand(n_classes, 3, generator=g).to(device)
     cuda = device.type == "cuda"
 
-    def step(i: int):
-        m = masks[i % masks.shape[0]]
+    def fwd_bwd(m: torch.Tensor) -> tuple[torch.Tensor]:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             logits = net(make_input(m, palette))
-        loss_fn(logits, m.long()).backward()
+        loss = loss_fn(logits, m.long())
+        loss.backward()
+        return (loss,)
+
+    graph = None
+    if variant == "graphed":
+        if not cuda:
+            raise ValueError("the graphed variant needs a CUDA device (CUDA graphs)")
+        from scaffold.graphs import StepGraph
+
+        graph = StepGraph(fwd_bwd, model.parameters(), masks[0])
+
+    def step(i: int):
+        m = masks[i % masks.shape[0]]
+        if graph is not None:
+            graph.run(m)
+        else:
+            fwd_bwd(m)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        if graph is None:  # the graph writes the same gradient tensors again on its next replay
+            opt.zero_grad(set_to_none=True)
 
     return model, step
 
