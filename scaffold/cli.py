@@ -18,7 +18,7 @@ from scaffold.config import RETIRED_MORE_DETERMINISM, Config, ConfigError, valid
 
 # Keys a resumed run may change: they do not alter what has been computed so far.
 RESUME_MUTABLE = {"epochs", "target_dice", "checkpoint_interval", "progress", "profile", "device",
-                  "data.workers", "data.loader_workers", "data.cache_dir", "warmup_steps"}
+                  "data.workers", "data.loader_workers", "data.cache_dir", "warmup_steps", "cuda_graph"}
 
 
 def conf_dir() -> str:

@@ -141,6 +141,7 @@ class Trainer:
         self.progress = Progress()
         self.census_done = False
         self.graph = None  # scaffold.graphs.StepGraph once prepare_graph has captured the step
+        self.graph_tried = False
         self.on_first_step = None  # callback(model) after the first real step (the census)
 
     # ----------------------------------------------------------------------------------- the step
@@ -190,16 +191,25 @@ class Trainer:
     def prepare_graph(self) -> float:
         """Captures the real model's forward, loss and backward (once; outside any epoch, since the
         capture synchronizes the device); returns the seconds it took (0 when not used)."""
-        if self.graph is not None or not self.use_graph():
+        if self.graph_tried or not self.use_graph():
             return 0.0
+        self.graph_tried = True
         from scaffold.graphs import StepGraph
 
         t0 = time.perf_counter()
         rng = determinism.rng_state()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
-        self.graph = StepGraph(self.forward_backward, self.model.parameters(),
-                               self.vol.train[: self.cfg.batch_size])
+        try:
+            self.graph = StepGraph(self.forward_backward, self.model.parameters(),
+                                   self.vol.train[: self.cfg.batch_size])
+        except Exception as e:  # noqa: BLE001 - `auto` keeps training, eagerly; `on` promised a graph
+            if self.cfg.cuda_graph == "on":
+                raise
+            self.graph = None
+            self.optimizer.zero_grad(set_to_none=True)  # whatever a half-done capture left
+            log.warning("cuda_graph=auto: the step could not be captured (%s); running it eagerly",
+                        f"{type(e).__name__}: {e}".splitlines()[0])
         determinism.set_rng_state(rng)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

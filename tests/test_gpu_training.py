@@ -180,3 +180,19 @@ def test_step_graph_replays_write_fresh_gradients():
             (g_loss,) = graph.run(x)
             assert torch.equal(g_loss, loss)
             assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))
+
+
+def test_a_failed_capture_falls_back_to_eager_under_auto_and_raises_under_on(cache, tmp_path,
+                                                                            monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("capture refused (test)")
+
+    monkeypatch.setattr("scaffold.graphs.StepGraph", refuse)
+    cfg = ["scale=5", "model.base_width=16", "device=cuda", "epochs=1", "warmup_steps=0"]
+    (tmp_path / "auto").mkdir()
+    result = worker.run(tiny_cfg(cache, *cfg), tmp_path / "auto")
+    assert result["cuda_graph"] is False
+    assert (tmp_path / "auto" / "train_stats.csv").read_text().count("\n") == 2
+    (tmp_path / "on").mkdir()
+    with pytest.raises(RuntimeError, match="capture refused"):
+        worker.run(tiny_cfg(cache, *cfg, "cuda_graph=on"), tmp_path / "on")
