@@ -167,11 +167,12 @@ def test_step_graph_replays_write_fresh_gradients():
         loss.backward()
         return (loss,)
 
-    eager = []
-    for x in batches:
+    def eager_step(x):  # returns copies only: no autograd graph outlives it (capture needs that)
         net.zero_grad(set_to_none=True)
         loss = fwd_bwd(x)[0]
-        eager.append((loss.detach().clone(), [p.grad.clone() for p in net.parameters()]))
+        return loss.detach().clone(), [p.grad.clone() for p in net.parameters()]
+
+    eager = [eager_step(x) for x in batches]
     net.zero_grad(set_to_none=True)
     graph = StepGraph(fwd_bwd, net.parameters(), batches[0])
     assert not graph.fits(batches[0, :4])
