@@ -143,16 +143,17 @@ def make_step(variant: str, scale: int, width: int, device: torch.device, n_clas
 
 def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, warmup: int,
                  device: torch.device, profile: bool = False) -> dict:
-    model, step = make_step(variant, scale, width, device)
     cuda = device.type == "cuda"
+    if cuda:  # peak from here on: a CUDA graph allocates its memory when it is captured, in make_step
+        torch.cuda.reset_peak_memory_stats()
+        base_bytes = torch.cuda.memory_allocated()
+    model, step = make_step(variant, scale, width, device)
     t0 = time.perf_counter()
     for i in range(warmup):
         step(i)
     if cuda:
         torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     per_step = []
     for _ in range(reps):
         if cuda:
@@ -175,8 +176,9 @@ def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, wa
 
         c = ladder_census(model)
         census = {op: c[op] for op in ("conv", "conv_transpose", "group_norm", "concat", "pool")}
+    peak = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30 if cuda else None
     return {"variant": variant, "step_ms_median": statistics.median(per_step), "step_ms_reps": per_step,
-            "warmup_s": warm_s, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "warmup_s": warm_s, "peak_mem_gib": peak,
             "census": census, "breakdown": breakdown}
 
 
