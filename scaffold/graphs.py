@@ -1,8 +1,8 @@
 """The training step's forward, loss and backward captured once as a CUDA graph and replayed.
 
-Why: at 128³ a step launches about a thousand kernels (the Triton rungs, cuDNN, the autograd engine's
-bookkeeping). On an H200 host that costs more time per step than the device needs to run them, so the
-step time was the host's. A replayed graph is one launch.
+Why: at 128³ a step launches hundreds of kernels (the Triton rungs, cuDNN, ATen's elementwise ops)
+through Python and the autograd engine. On an H200 host that could cost more time per step than the
+device needs to run them, so the step time was the host's. A replayed graph is one launch.
 
 What is captured, and why the bits are the eager step's:
 - The capture records the step up to and including `loss.backward()`: the input built from a static

@@ -6,8 +6,8 @@ Why it looks the way it does:
   palette[mask]; losses, Dice sums and step timings (CUDA events) stay on the device and are read once, at
   the end of the epoch. `torch.cuda.set_sync_debug_mode("error")` around an epoch proves it.
 - On one CUDA device the step's forward, loss and backward are captured once as a CUDA graph and
-  replayed (`cuda_graph`, scaffold/graphs.py): the same kernels and bits, one launch instead of about a
-  thousand, so the host no longer sets the step time. Clip and Adam stay eager.
+  replayed (`cuda_graph`, scaffold/graphs.py): the same kernels and bits, one launch instead of
+  hundreds, so the host no longer sets the step time. Clip and Adam stay eager.
 - The batch order of epoch e is a pure function of (seed, e), so a resumed run only needs the epoch number
   to continue the sampler exactly where it stood.
 - Warm-up steps (compilation, allocation) run on a throw-away copy of the model and optimizer, so they
