@@ -18,10 +18,13 @@ What is captured, and why the bits are the eager step's:
   capture needs: kernels compiled and loaded, cuDNN plans made, the allocator warm). They write
   gradients only, which are then dropped; no optimizer step runs, so the parameters do not change.
 
-Limits: no autograd graph of the model may be alive at the capture (a kept loss keeps its gradient
-accumulators on the stream they were made on, and the capture then fails); one CUDA device, one process (under DDP the backward's all-reduce would have to be captured
-too), one batch shape per graph, and the loss and Dice returned by `run` are the graph's own output
-tensors, overwritten by the next replay: read (or add) them before the next step, as the trainer does.
+Limits:
+- No autograd graph of the model may be alive at the capture: a kept loss keeps its gradient
+  accumulators on the stream they were made on, and the capture then fails.
+- One CUDA device, one process: under DDP the backward's all-reduce would have to be captured too.
+- One batch shape per graph.
+- The loss and Dice returned by `run` are the graph's own output tensors, overwritten by the next
+  replay: read (or add) them before the next step, as the trainer does.
 """
 from __future__ import annotations
 
