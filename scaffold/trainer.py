@@ -185,8 +185,7 @@ class Trainer:
         """Whether this run captures its step as a CUDA graph (`cuda_graph`: auto/on on one CUDA device
         in one process; `worker.run` rejects `on` elsewhere before any work)."""
         mode = getattr(self.cfg, "cuda_graph", "off")
-        return mode != "off" and self.device.type == "cuda" and self.place.world == 1 \
-            and self.net is self.model
+        return mode != "off" and self.device.type == "cuda" and self.place.world == 1
 
     def prepare_graph(self) -> float:
         """Captures the real model's forward, loss and backward (once; outside any epoch, since the
@@ -198,9 +197,8 @@ class Trainer:
 
         t0 = time.perf_counter()
         rng = determinism.rng_state()
-        self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
-        try:
+        try:  # StepGraph sets the gradients to None itself before it captures
             self.graph = StepGraph(self.forward_backward, self.model.parameters(),
                                    self.vol.train[: self.cfg.batch_size])
         except Exception as e:  # noqa: BLE001 - `auto` keeps training, eagerly; `on` promised a graph

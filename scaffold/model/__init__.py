@@ -6,5 +6,4 @@ from scaffold.model.pool import max_pool2
 from scaffold.model.unet import UNet3d
 
 __all__ = ["UNet3d", "FastConv3d", "FastConvTranspose3d", "FastGroupNorm", "FastConcat", "FastMaxPool2",
-           "census",
-           "format_census", "register_rung", "select_rung", "set_ladder", "max_pool2"]
+           "census", "format_census", "register_rung", "select_rung", "set_ladder", "max_pool2"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scaffold.model.ladder import FastConcat, FastConv3d, FastConvTranspose3d, FastGroupNorm, FastMaxPool2
+from scaffold.model.ladder import (FastConcat, FastConv3d, FastConvTranspose3d, FastGroupNorm,
+                                   FastMaxPool2)
 
 
 class DoubleConv(nn.Module):
