@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from scaffold.kernels import conv as K
-from scaffold.kernels.bias_grad import bias_grad
-from scaffold.kernels.common import triton_usable
+from scaffold.kernels.conv.bias_grad import bias_grad
+from scaffold.kernels.lib.device import triton_usable
 from scaffold.kernels.reference import conv3d_ref, conv_transpose3d_ref
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,7 +176,7 @@ def test_box_conv_small_integers_bitwise(n, cin, cout, size, k, p, d, has_bias, 
     """Forward, backward-data (into an NCDHW buffer: any output strides) and backward-weight on
     the box path equal the float64 reference exactly; padding is the zero fill of out-of-volume
     (negative included) box coordinates."""
-    from scaffold.kernels.conv_box import box_supported
+    from scaffold.kernels.conv.box import box_supported
 
     gen = torch.Generator().manual_seed(2000 + cin * 31 + cout)
     x, w, b, dy = make_conv(gen, n, cin, cout, size, k, 1, p, d, has_bias, integer=True)
@@ -196,8 +196,8 @@ def test_box_conv_small_integers_bitwise(n, cin, cout, size, k, p, d, has_bias, 
 def test_box_weight_grad_taps_per_program(taps, monkeypatch):
     """One program owning 1 or 3 kw taps (dy box loaded once for all three): same exact result;
     a reduction cut into several splits summed in fixed order, identical across calls."""
-    from scaffold.kernels import tiles
-    from scaffold.kernels.tiles import Tile
+    from scaffold.kernels.conv import tiles
+    from scaffold.kernels.conv.tiles import Tile
 
     gen = torch.Generator().manual_seed(11)
     x, w, _, dy = make_conv(gen, 2, 8, 16, (7, 5, 6), 3, 1, 1, 1, False, integer=True)
@@ -221,7 +221,7 @@ def test_box_weight_grad_taps_per_program(taps, monkeypatch):
 def test_box_weight_grad_cout_not_multiple_of_8(k, p, dtype, monkeypatch):
     """Cout = 6 (the head): dy zero-padded to 16 channels for the box backward-weight kernel (a spy
     checks that it ran); dW exact, only its 6 real rows written."""
-    from scaffold.kernels import conv_box
+    from scaffold.kernels.conv import box as conv_box
 
     gen = torch.Generator().manual_seed(19)
     x, w, _, dy = make_conv(gen, 2, 16, 6, (3, 4, 5), k, 1, p, 1, False, integer=True)
@@ -266,8 +266,8 @@ def test_conv_transpose_box_backward_small_integers_bitwise(n, cin, cout, size, 
     dy's subsampled view: dx (into an NCDHW buffer) and dW equal the float64 reference exactly;
     dy's taps meet their weight rows, not a neighbouring tap's channels. (The kernels take inputs
     of 64³ voxels and more; the threshold is lowered here to run them at tiny shapes.)"""
-    from scaffold.kernels import conv_box
-    from scaffold.kernels.conv_box import transposed_box_supported
+    from scaffold.kernels.conv import box as conv_box
+    from scaffold.kernels.conv.box import transposed_box_supported
 
     monkeypatch.setattr(conv_box, "TRANSPOSED_BOX_MIN_VOXELS", 1)
 
@@ -289,8 +289,9 @@ def test_box_routing(monkeypatch):
     """What takes the box kernels: stride 1, channels-last operands of one dtype, Cout % 8; which
     odd input channel counts are folded into channels and which zero-padded; which transposed convs'
     backward passes."""
-    from scaffold.kernels import conv_box
-    from scaffold.kernels.conv_box import box_supported, folds, transposed_box_supported
+    from scaffold.kernels.conv import box as conv_box
+    from scaffold.kernels.conv.box import box_supported, transposed_box_supported
+    from scaffold.kernels.conv.fold import folds
 
     x = torch.zeros(1, 16, 4, 4, 4, device=DEV).contiguous(memory_format=CL)
     w = torch.zeros(8, 16, 3, 3, 3, device=DEV).contiguous(memory_format=CL)
@@ -323,7 +324,7 @@ def test_box_split_loop_for_few_tiles():
     """A launch of fewer tiles than multiprocessors splits its (tap, channel) loop: fp32 partials
     summed in fixed order, bias added once; exact on integers, into a channels-last and an NCDHW
     output; identical across calls."""
-    from scaffold.kernels import conv_box
+    from scaffold.kernels.conv import box as conv_box
 
     gen = torch.Generator().manual_seed(13)
     x, w, b, dy = make_conv(gen, 1, 16, 16, (4, 4, 4), 3, 1, 1, 1, True, integer=True)
@@ -356,7 +357,7 @@ def test_wave_split_plan_fills_whole_waves(monkeypatch):
     """The backward-weight split count: whole waves where the reduction is long (the fill-twice rule
     gave 270 programs on 132 multiprocessors: a third, nearly empty wave), no split where the tiles
     alone make many waves or where the fp32 partials would cost more than the waves save."""
-    from scaffold.kernels import splits
+    from scaffold.kernels.lib import splits
 
     monkeypatch.setattr(splits, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from scaffold.kernels import groupnorm as gn
-from scaffold.kernels import nsc
+from scaffold.kernels.lib import layout as nsc
 from scaffold.kernels import reference as ref
 
 CL = torch.channels_last_3d
@@ -46,16 +46,17 @@ def run_both(x, G, w, b, dy, relu, out_dtype=None, eps=1e-5, tile=None):
     return (y, dx, dw, db), (y_ref,) + grads_ref
 
 
-CASES = [  # N, C, G, spatial, layout, relu, affine, tile override (elements, warps, programs per SM)
+T = gn.NormTile  # the tile overrides below
+CASES = [  # N, C, G, spatial, layout, relu, affine, tile override
     (2, 8, 2, (3, 5, 7), "cl", True, True, None),
     (2, 16, 4, (3, 5, 7), "cl", False, True, None),
-    (2, 24, 8, (5, 3, 2), "cl", True, True, (32, 1, 4)),     # 3 channels per group, 1 row per tile
+    (2, 24, 8, (5, 3, 2), "cl", True, True, T(32, 1, 4, 32, 1)),  # 3 channels per group, 1 row per tile
     (1, 24, 2, (7, 1, 11), "ncdhw", True, True, None),      # 12 channels per group, contiguous input
-    (2, 16, 8, (3, 5, 7), "ncdhw", False, False, (128, 1, 2)),  # affine=False
-    (3, 12, 4, (2, 2, 13), "cl", True, True, (16, 1, 64)),  # one tile per split, many splits
-    (2, 16, 4, (3, 5, 7), "cl", True, True, (64, 1, 4, 16, 1)),  # elementwise tiles ≠ split tiles
-    (2, 16, 4, (3, 5, 7), "cl", True, True, (64, 1, 4, 16, 1, 3, 2)),  # split loops pipelined
-    (2, 16, 4, (3, 5, 7), "cl", True, True, (64, 1, 4, 16, 1, 0, 0, 3, 0)),  # fwd, bwd loops apart
+    (2, 16, 8, (3, 5, 7), "ncdhw", False, False, T(128, 1, 2, 128, 1)),  # affine=False
+    (3, 12, 4, (2, 2, 13), "cl", True, True, T(16, 1, 64, 16, 1)),  # one tile per split, many splits
+    (2, 16, 4, (3, 5, 7), "cl", True, True, T(64, 1, 4, 16, 1)),  # elementwise tiles ≠ split tiles
+    (2, 16, 4, (3, 5, 7), "cl", True, True, T(64, 1, 4, 16, 1, 3, 2, 3, 2)),  # split loops pipelined
+    (2, 16, 4, (3, 5, 7), "cl", True, True, T(64, 1, 4, 16, 1, bwd_stages=3)),  # fwd, bwd loops apart
 ]
 
 
@@ -149,7 +150,7 @@ def test_every_output_element_written():
 def test_split_loop_options_keep_the_bits():
     """Pipelining or unrolling the split passes' loops reorders no arithmetic: same bits."""
     x, w, b, dy = make(2, 16, (5, 5, 5))
-    outs = [run_both(x, 4, w, b, dy, True, tile=(64, 1, 4, 16, 1) + loop)[0]
+    outs = [run_both(x, 4, w, b, dy, True, tile=T(64, 1, 4, 16, 1, *loop))[0]
             for loop in ((0, 0, 0, 0), (2, 2, 3, 0), (0, 4, 4, 2))]
     assert all(torch.equal(p, q) for o in outs[1:] for p, q in zip(outs[0], o))
 

@@ -42,6 +42,7 @@ def run(z, y, w, grads=None, block_v=None, tile=None):
     return loss, ce, dice, dz
 
 
+T = sl.LossTile  # the tile overrides below
 CASES = [  # C, dtype, layout, label dtype, absent classes, voxel tile override
     (6, torch.float32, "cl", torch.int64, (), None),
     (6, torch.float32, "ncdhw", torch.uint8, (2,), 4),          # 4-voxel tiles: several splits, ragged
@@ -57,7 +58,7 @@ CASES = [  # C, dtype, layout, label dtype, absent classes, voxel tile override
 @pytest.mark.parametrize("C,dtype,layout,label_dtype,absent,block_v", CASES)
 def test_matches_float64_head(C, dtype, layout, label_dtype, absent, block_v, form):
     z, y, w = make(C=C, dtype=dtype, layout=layout, label_dtype=label_dtype, absent=absent)
-    loss, ce, dice, dz = run(z, y, w, tile=(block_v or 16, 1, 4, form))
+    loss, ce, dice, dz = run(z, y, w, tile=T(block_v or 16, 1, 4, form))
     e_loss, e_ce, e_dice, e_dz = ref.seg_loss_terms(z, y, w, EPS, grads=(1.0, 0.0, torch.zeros(2)))
     # The forward reads the stored values exactly (a bf16 upcast is exact), so it is fp32-accurate for
     # every dtype; the gradient is rounded to the logits' dtype.
@@ -105,7 +106,7 @@ def test_unused_outputs_pass_no_gradient():
 def test_many_splits_fixed_tree(form):
     # More split slots than the finalize program's block: its loop over slot blocks runs several times.
     z, y, w = make(N=2, C=6, spatial=(5, 6, 7), absent=(2,), seed=8)
-    tile = (4, 1, 64, form)
+    tile = T(4, 1, 64, form)
     plan = sl.Plan(2, 5 * 6 * 7, 6, z.device, tile=tile)
     assert plan.splits > plan.block_p
     loss, ce, dice, sums = sl.forward(z, y, w, EPS, tile=tile)
@@ -121,20 +122,20 @@ def test_forms_agree_and_ignore_out_of_range_labels():
     z, y, w = make(C=6, dtype=torch.bfloat16, seed=9)
     y_bad = y.clone()
     y_bad.view(-1)[::7] = 200
-    out = {form: run(z, y_bad, w, tile=(8, 1, 4, form)) for form in sl.FORMS}
+    out = {form: run(z, y_bad, w, tile=T(8, 1, 4, form)) for form in sl.FORMS}
     for form in sl.FORMS[1:]:
         for a, b in zip(out["tile"], out[form]):
             assert rel_err(a.float(), ref.f64(b)) < 1e-5, form
     with pytest.raises(ValueError, match="tile form"):
-        sl.Plan(1, 8, 6, z.device, tile=(8, 1, 4, "columns"))
+        sl.Plan(1, 8, 6, z.device, tile=T(8, 1, 4, "columns"))
 
 
 def test_unrolled_form_falls_back_past_eight_classes():
     # The unrolled forward spells out 8 accumulator sets; with more classes the plan takes the rows form.
     z, y, w = make(C=10, absent=(4,), seed=10)
-    assert sl.Plan(2, 105, 10, z.device, tile=(8, 1, 4, "unrolled")).form == "rows"
-    assert sl.Plan(2, 105, 8, z.device, tile=(8, 1, 4, "unrolled")).form == "unrolled"
-    loss, ce, dice, dz = run(z, y, w, tile=(8, 1, 4, "unrolled"))
+    assert sl.Plan(2, 105, 10, z.device, tile=T(8, 1, 4, "unrolled")).form == "rows"
+    assert sl.Plan(2, 105, 8, z.device, tile=T(8, 1, 4, "unrolled")).form == "unrolled"
+    loss, ce, dice, dz = run(z, y, w, tile=T(8, 1, 4, "unrolled"))
     e_loss, e_ce, e_dice, e_dz = ref.seg_loss_terms(z, y, w, EPS, grads=(1.0, 0.0, torch.zeros(2)))
     for out, e in ((loss, e_loss), (dice, e_dice), (dz, e_dz)):
         assert rel_err(out, e) < 1e-5
@@ -154,8 +155,8 @@ def test_reference_is_the_eager_head():
 @pytest.mark.parametrize("form", sl.FORMS)
 def test_deterministic_bitwise(form):
     z, y, w = make(C=6, dtype=torch.bfloat16, seed=2)
-    first = run(z, y, w, tile=(4, 1, 4, form))
-    second = run(z, y, w, tile=(4, 1, 4, form))
+    first = run(z, y, w, tile=T(4, 1, 4, form))
+    second = run(z, y, w, tile=T(4, 1, 4, form))
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -164,7 +165,7 @@ def test_deterministic_bitwise(form):
 @pytest.mark.parametrize("layout", ["cl", "ncdhw"])
 def test_poisoned_gradient_buffer_fully_written(layout, form):
     z, y, w = make(C=6, layout=layout, absent=(3,), seed=4)
-    tile = (4, 1, 4, form)
+    tile = T(4, 1, 4, form)
     *_, dz = run(z, y, w, tile=tile)
     sums = sl.forward(z, y, w, EPS, tile=tile)[3]
     poisoned = torch.full_like(z, float("nan"))
@@ -203,8 +204,8 @@ def test_supported_and_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [None, (128, 4, 4, "rows"), (512, 8, 16, "rows"),
-                                  (128, 4, 16, "unrolled"), (32, 2, 16, "tile")])
+@pytest.mark.parametrize("tile", [None, T(128, 4, 4, "rows"), T(512, 8, 16, "rows"),
+                                  T(128, 4, 16, "unrolled"), T(32, 2, 16, "tile")])
 def test_gpu_128_cubed_matches_eager_and_is_stable(tile):
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from scaffold.config import LadderConfig
-from scaffold.kernels.common import triton_usable
+from scaffold.kernels.lib.device import triton_usable
 from scaffold.model import UNet3d, census, set_ladder
 
 for _module in ("scaffold.kernels.conv", "scaffold.kernels.groupnorm", "scaffold.kernels.concat",

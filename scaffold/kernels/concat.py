@@ -1,13 +1,12 @@
 """The U-Net's skip concat, cat([a, b], dim=1), written once in the consumer's dtype, channels-last.
 
-Algorithm. View a, b and the output as [N·S, C] rows (S = D·H·W; strides are passed, so any layout whose
-spatial dims collapse is read in place). One program copies BLOCK_R rows: the row's Ca channels of a into
-output channels [0, Ca), then Cb channels of b into [Ca, Ca + Cb), casting to the output dtype on the way.
-Stock PyTorch under autocast does this in two or three passes (cat in the promoted dtype, then the
-convolution's cast to bf16); here it is one read of each input and one write. Casts round to nearest
-even, as torch's do, so the result is bitwise that of torch.cat(...).to(dtype).
-Backward is the reverse copy: one kernel splits the gradient into the two parts, each cast back to its
-input's dtype. Pure copies: no arithmetic, nothing to make non-deterministic.
+a, b and the output are viewed as [N·S, C] rows (S = D·H·W) through their strides, so any layout whose
+spatial dims collapse is read in place. One program copies BLOCK_R rows: the row's Ca channels of a into
+output channels [0, Ca), then Cb channels of b into [Ca, Ca + Cb), casting to the output dtype on the
+way. Casts round to nearest even, as torch's do, so the result is bitwise that of
+torch.cat(...).to(dtype). Backward is the reverse copy: one kernel splits the gradient into the two
+parts, each cast back to its input's dtype. Pure copies: no arithmetic, nothing to make
+non-deterministic.
 """
 from __future__ import annotations
 
@@ -18,23 +17,33 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import cdiv, next_pow2, triton_usable
 from .groupnorm import MAX_CHANNELS
-from .nsc import cast_rne, empty_channels_last, flat_nsc
+from .lib.device import triton_usable
+from .lib.indexing import cdiv, next_pow2
+from .lib.layout import empty_channels_last, flat_nsc
+from .lib.rounding import cast_rne
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 8192  # elements per half-tile: 16-32 KB in flight per program, enough to stream
 
 
 @triton.jit
-def _rows(r0, S, BLOCK_R: tl.constexpr):
+def _program_rows(rows, S, BLOCK_R: tl.constexpr):
+    """(n, s, mask) of this program's BLOCK_R rows of the [N·S, C] views: sample, voxel within the
+    sample (S per sample), and which of the `rows` rows exist."""
+    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
     r = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
-    return r // S, r % S
+    n = r // S
+    s = r % S
+    rmask = r0 + tl.arange(0, BLOCK_R) < rows
+    return n, s, rmask
 
 
 @triton.jit
 def _copy_part(src_ptr, dst_ptr, n, s, rmask, C, c_dst0, s_sn, s_ss, s_sc, d_sn, d_ss, d_sc,
                BLOCK_C: tl.constexpr):
+    """Channels [0, C) of the rows (n, s) of src into channels [c_dst0, c_dst0 + C) of dst, cast to
+    dst's dtype."""
     c = tl.arange(0, BLOCK_C).to(tl.int64)
     mask = rmask[:, None] & (c < C)[None, :]
     src = src_ptr + (n * s_sn + s * s_ss)[:, None] + c[None, :] * s_sc
@@ -47,9 +56,7 @@ def _copy_part(src_ptr, dst_ptr, n, s, rmask, C, c_dst0, s_sn, s_ss, s_sc, d_sn,
 def _concat_kernel(a_ptr, b_ptr, o_ptr, rows, S, CA, CB, a_sn, a_ss, a_sc, b_sn, b_ss, b_sc,
                    o_sn, o_ss, o_sc, BLOCK_R: tl.constexpr, BLOCK_CA: tl.constexpr,
                    BLOCK_CB: tl.constexpr):
-    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
-    n, s = _rows(r0, S, BLOCK_R)
-    rmask = r0 + tl.arange(0, BLOCK_R) < rows
+    n, s, rmask = _program_rows(rows, S, BLOCK_R)
     _copy_part(a_ptr, o_ptr, n, s, rmask, CA, 0, a_sn, a_ss, a_sc, o_sn, o_ss, o_sc, BLOCK_CA)
     _copy_part(b_ptr, o_ptr, n, s, rmask, CB, CA, b_sn, b_ss, b_sc, o_sn, o_ss, o_sc, BLOCK_CB)
 
@@ -58,9 +65,7 @@ def _concat_kernel(a_ptr, b_ptr, o_ptr, rows, S, CA, CB, a_sn, a_ss, a_sc, b_sn,
 def _split_kernel(g_ptr, ga_ptr, gb_ptr, rows, S, CA, CB, g_sn, g_ss, g_sc, a_sn, a_ss, a_sc,
                   b_sn, b_ss, b_sc, BLOCK_R: tl.constexpr, BLOCK_CA: tl.constexpr,
                   BLOCK_CB: tl.constexpr):
-    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
-    n, s = _rows(r0, S, BLOCK_R)
-    rmask = r0 + tl.arange(0, BLOCK_R) < rows
+    n, s, rmask = _program_rows(rows, S, BLOCK_R)
     # Reading channels [CA, CA+CB) of g: shift the base pointer, then copy to channel 0 of gb.
     _copy_part(g_ptr, ga_ptr, n, s, rmask, CA, 0, g_sn, g_ss, g_sc, a_sn, a_ss, a_sc, BLOCK_CA)
     _copy_part(g_ptr + CA * g_sc, gb_ptr, n, s, rmask, CB, 0, g_sn, g_ss, g_sc, b_sn, b_ss, b_sc,
@@ -77,7 +82,9 @@ def _geometry(N: int, S: int, ca: int, cb: int):
 
 def concat_forward(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """cat([a, b], dim=1) in `dtype`, channels-last (or into `out`, any layout with collapsible D, H, W)."""
+    """cat([a, b], dim=1) in `dtype`, channels-last (or into `out`, any layout with collapsible D, H, W).
+    Stock PyTorch under autocast does this in two or three passes (cat in the promoted dtype, then the
+    convolution's cast to bf16); here it is one read of each input and one write."""
     N, ca = a.shape[:2]
     cb = b.shape[1]
     S = a[0, 0].numel()

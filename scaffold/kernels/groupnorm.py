@@ -1,34 +1,19 @@
-"""GroupNorm with an optional fused ReLU, on NDHWC (channels-last) activations, deterministic.
+"""GroupNorm with an optional fused ReLU (F.group_norm, then F.relu) on 5-D activations, deterministic.
 
-Algorithm. View x as [N, S, C] (S = D·H·W voxels; strides are passed, so NDHWC and plain NCDHW both
-work without a copy: only the spatial dims must collapse into one stride, otherwise x is first made
-channels-last, which costs one extra read and write of x). Channel c belongs to group c // (C/G).
-
-Forward, three launches:
-  1. partials  grid (N, splits): each program walks its run of voxels in tiles [BLOCK_S, C] and sums
-     d = x − k and d² element-wise in registers (k = the channel's value at the sample's first voxel:
-     the shift keeps Σd² − (Σd)²/n from cancelling when |mean| >> std), reduces once, and stores the
-     split's per-channel (mean, M2 = Σ(x − mean)²). Splits hold a few thousand voxels, so fp32 sums stay
-     accurate; merging (mean, M2) pairs, not raw sums, keeps 16.7M elements per group accurate too.
-  2. combine   grid (N, G): the group mean is the count-weighted mean of the partial means; then
-     M2 = Σ M2_i + n_i (mean_i − mean)² (the parallel-axis theorem), both summed in fixed order.
-  3. normalize grid (tiles, N): y = (x − mean)·(rstd·w) + b, then ReLU (NaN stays NaN, as F.relu).
-Backward, four launches: per-(split, channel) partial sums of g and g·x̂ (g = dy where y > 0 or NaN, y
-recomputed from x and the saved statistics: cheaper than storing it); per (n, group) the sums over splits
-in fixed order, and c1 = mean(g·w), c2 = mean(g·w·x̂); dweight, dbias summed over the batch in order;
-then dx = rstd·(g·w − c1 − x̂·c2).
-Bytes: forward reads x twice and writes y; backward reads x and dy twice and writes dx. No atomics:
-the split count is a pure function of (shape, device), so the bits are too.
-
-Dtypes: statistics in fp32 from the input as stored (the upcast of bf16 is exact, so no cast pass).
-On CUDA under autocast F.group_norm runs in fp32 (it is on autocast's fp32 list) and returns fp32; we
-return the same. Elsewhere the output has the input's dtype. `out_dtype` overrides this: when the
-consumer is a bf16 convolution, writing bf16 here gives it the very bits its own cast would, with half
-the bytes written here and read by the backward.
+x is viewed as [N, S, C] (S = D·H·W) through its strides, so NDHWC and NCDHW are read in place;
+channel c belongs to group c // (C/G). Statistics are fp32, whatever the input dtype.
+Forward, three launches: per (sample, split of the voxels) each channel's (mean, M2) partials;
+per (sample, group) those merged into the group's mean and rstd; then, tile by tile,
+y = (x − mean)·(rstd·w) + b and the ReLU. Backward, four launches: per (sample, split) the sums of
+g and g·x̂ (g = dy where the recomputed y passes the ReLU); per (sample, group) their totals and
+c1 = mean(g·w), c2 = mean(g·w·x̂); dweight and dbias summed over the batch; dx = rstd·(g·w − c1 − x̂·c2).
+Every sum runs in a fixed order and nothing is atomic: the split count is a pure function of
+(shape, device), so the bits are too.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,8 +21,11 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import arch_key, cdiv, next_pow2, sm_count, triton_usable
-from .nsc import cast_rne, flat_nsc, nsc_strides, to_f32
+from .lib.device import arch_key, dtype_key, sm_count, triton_usable
+from .lib.indexing import cdiv, next_pow2
+from .lib.layout import flat_nsc, nsc_strides
+from .lib.rounding import cast_rne, to_f32
+from .lib.splits import chunk_range
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_CHANNELS = 8192
@@ -47,6 +35,7 @@ MAX_CHANNELS = 8192
 
 @triton.jit
 def _tile_ptrs(base, s0, end, C, s_s, s_c, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pointers and mask of the [BLOCK_S, BLOCK_C] tile at voxel s0 of one sample, cut at voxel `end`."""
     rows = s0 + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_C)
     mask = (rows < end)[:, None] & (cols < C)[None, :]
@@ -55,17 +44,41 @@ def _tile_ptrs(base, s0, end, C, s_s, s_c, BLOCK_S: tl.constexpr, BLOCK_C: tl.co
 
 
 @triton.jit
+def _store_partials(a_ptr, b_ptr, a, b, n, split, splits, C, BLOCK_C: tl.constexpr):
+    """A split's two per-channel results, each to the split's own row of an [N, splits, C] buffer."""
+    cols = tl.arange(0, BLOCK_C)
+    out = (n * splits + split) * C + cols
+    tl.store(a_ptr + out, a, mask=cols < C)
+    tl.store(b_ptr + out, b, mask=cols < C)
+
+
+@triton.jit
+def _partials_block(p0, n, k, cols, splits, C, CG, BLOCK_P: tl.constexpr):
+    """Splits [p0, p0 + BLOCK_P) of sample n over one group's channels `cols` (k: their index in the
+    group): the split indices, the mask and the offsets into an [N, splits, C] partials buffer."""
+    p = p0 + tl.arange(0, BLOCK_P)
+    mask = (p < splits)[:, None] & (k < CG)[None, :]
+    offs = (n * splits + p)[:, None] * C + cols[None, :]
+    return p, mask, offs
+
+
+@triton.jit
 def _gn_fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn, x_ss, x_sc,
                          BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
                          STAGES: tl.constexpr, UNROLL: tl.constexpr):
+    """Per (sample, split), grid (N, splits): each channel's mean and M2 = Σ(x − mean)² over the
+    split's voxels. A split holds a few thousand voxels, so its fp32 sums stay accurate; merging
+    (mean, M2) pairs later, not raw sums, keeps 16.7M elements per group accurate too."""
     n = tl.program_id(0)
     split = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, S)
+    start, end = chunk_range(split, chunk, S)
     base = x_ptr + n.to(tl.int64) * x_sn
     cols = tl.arange(0, BLOCK_C)
-    # Shift every value by its channel's first voxel: sums of (x - k) and (x - k)² then cancel only as
-    # much as (mean - k)² / var, not mean² / var. Per-element accumulators; one reduction at the end.
+    # Shift every value by its channel's first voxel k: sums of d = x - k and d² then cancel only as
+    # much as (mean - k)² / var, not mean² / var, which keeps Σd² − (Σd)²/n from cancelling when
+    # |mean| >> std.
+    # Per-element accumulators; one reduction at the end. Values are read as stored and widened in
+    # registers (exact for bf16), so no cast pass precedes this one.
     k = to_f32(tl.load(base + cols.to(tl.int64) * x_sc, mask=cols < C, other=0.0))
     s1 = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
     s2 = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
@@ -78,14 +91,15 @@ def _gn_fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn
     t1 = tl.sum(s1, axis=0)
     mean = k + t1 / count
     m2 = tl.sum(s2, axis=0) - t1 * (t1 / count)
-    out = (n * splits + split) * C + cols
-    tl.store(pmean_ptr + out, mean, mask=cols < C)
-    tl.store(pm2_ptr + out, m2, mask=cols < C)
+    _store_partials(pmean_ptr, pm2_ptr, mean, m2, n, split, splits, C, BLOCK_C)
 
 
 @triton.jit
 def _gn_fwd_combine_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, S, C, G, CG, chunk, splits, eps,
                         BLOCK_P: tl.constexpr, BLOCK_CG: tl.constexpr):
+    """Per (sample, group), grid (N, G): the group's mean, the count-weighted mean of the split
+    means; then its M2 = Σ M2_i + n_i·(mean_i − mean)² (the parallel-axis theorem). Both sums run
+    in a fixed order. Stores the mean and rstd."""
     n = tl.program_id(0)
     g = tl.program_id(1)
     k = tl.arange(0, BLOCK_CG)
@@ -93,18 +107,14 @@ def _gn_fwd_combine_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, S, C, G, CG, 
     total = (S * CG).to(tl.float32)
     acc = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
     for p0 in range(0, splits, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        mask = (p < splits)[:, None] & (k < CG)[None, :]
+        p, mask, offs = _partials_block(p0, n, k, cols, splits, C, CG, BLOCK_P)
         cnt = tl.minimum(chunk, S - p * chunk).to(tl.float32)
-        offs = (n * splits + p)[:, None] * C + cols[None, :]
         acc += tl.where(mask, cnt[:, None] * tl.load(pmean_ptr + offs, mask=mask, other=0.0), 0.0)
     mean = tl.sum(tl.sum(acc, axis=1), axis=0) / total
     acc = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
     for p0 in range(0, splits, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        mask = (p < splits)[:, None] & (k < CG)[None, :]
+        p, mask, offs = _partials_block(p0, n, k, cols, splits, C, CG, BLOCK_P)
         cnt = tl.minimum(chunk, S - p * chunk).to(tl.float32)
-        offs = (n * splits + p)[:, None] * C + cols[None, :]
         d = tl.load(pmean_ptr + offs, mask=mask, other=0.0) - mean
         m2 = tl.load(pm2_ptr + offs, mask=mask, other=0.0)
         acc += tl.where(mask, m2 + cnt[:, None] * d * d, 0.0)
@@ -138,6 +148,7 @@ def _gn_fwd_normalize_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, S, 
                           x_sn, x_ss, x_sc, y_sn, y_ss, y_sc,
                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y = (x − mean)·(rstd·w) + b, then the ReLU, over one [BLOCK_S, C] tile of one sample."""
     s0 = tl.program_id(0) * BLOCK_S  # tiles on axis 0: grid axes 1 and 2 stop at 65535
     n = tl.program_id(1)
     mean, rstd, w, b = _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG,
@@ -154,7 +165,8 @@ def _gn_fwd_normalize_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, S, 
 
 @triton.jit
 def _masked_grad(x, dy, mean, rstd, w, b, RELU: tl.constexpr):
-    """x̂ and the gradient reaching the normalization (dy where the recomputed y passed the ReLU)."""
+    """x̂ and the gradient reaching the normalization (dy where the recomputed y passed the ReLU).
+    y is recomputed from x and the saved statistics: cheaper than storing it."""
     xhat = (x - mean[None, :]) * rstd[None, :]
     if RELU:
         # The same expression as the forward, so the mask matches its output bit for bit;
@@ -170,10 +182,10 @@ def _gn_bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_
                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
                          STAGES: tl.constexpr, UNROLL: tl.constexpr):
+    """Per (sample, split), grid (N, splits): each channel's Σ g and Σ g·x̂ over the split's voxels."""
     n = tl.program_id(0)
     split = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, S)
+    start, end = chunk_range(split, chunk, S)
     mean, rstd, w, b = _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG,
                                        HAS_W, HAS_B, BLOCK_C)
     xbase = x_ptr + n.to(tl.int64) * x_sn
@@ -190,15 +202,14 @@ def _gn_bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_
         acc_gx += g * xhat
     sum_g = tl.sum(acc_g, axis=0)
     sum_gx = tl.sum(acc_gx, axis=0)
-    cols = tl.arange(0, BLOCK_C)
-    out = (n * splits + split) * C + cols
-    tl.store(pg_ptr + out, sum_g, mask=cols < C)
-    tl.store(pgx_ptr + out, sum_gx, mask=cols < C)
+    _store_partials(pg_ptr, pgx_ptr, sum_g, sum_gx, n, split, splits, C, BLOCK_C)
 
 
 @triton.jit
 def _gn_bwd_combine_kernel(pg_ptr, pgx_ptr, w_ptr, sg_ptr, sgx_ptr, c1_ptr, c2_ptr, S, C, G, CG, splits,
                         HAS_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_CG: tl.constexpr):
+    """Per (sample, group), grid (N, G): the split sums added in a fixed order (stored per channel
+    for dweight and dbias), then c1 = mean(g·w) and c2 = mean(g·w·x̂) over the group."""
     n = tl.program_id(0)
     g = tl.program_id(1)
     k = tl.arange(0, BLOCK_CG)
@@ -206,9 +217,7 @@ def _gn_bwd_combine_kernel(pg_ptr, pgx_ptr, w_ptr, sg_ptr, sgx_ptr, c1_ptr, c2_p
     acc_g = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
     acc_gx = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
     for p0 in range(0, splits, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        mask = (p < splits)[:, None] & (k < CG)[None, :]
-        offs = (n * splits + p)[:, None] * C + cols[None, :]
+        _p, mask, offs = _partials_block(p0, n, k, cols, splits, C, CG, BLOCK_P)
         acc_g += tl.load(pg_ptr + offs, mask=mask, other=0.0)
         acc_gx += tl.load(pgx_ptr + offs, mask=mask, other=0.0)
     sum_g = tl.sum(acc_g, axis=0)
@@ -227,6 +236,7 @@ def _gn_bwd_combine_kernel(pg_ptr, pgx_ptr, w_ptr, sg_ptr, sgx_ptr, c1_ptr, c2_p
 
 @triton.jit
 def _gn_sum_over_batch_kernel(sg_ptr, sgx_ptr, db_ptr, dw_ptr, N, C, BLOCK: tl.constexpr):
+    """dbias = Σ g and dweight = Σ g·x̂ per channel, the samples' sums added in order."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < C
     db = tl.zeros([BLOCK], tl.float32)
@@ -243,6 +253,7 @@ def _gn_bwd_dx_kernel(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, c
                    S, C, G, CG, x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, o_sn, o_ss, o_sc,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, RELU: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx = rstd·(g·w − c1 − x̂·c2) over one [BLOCK_S, C] tile of one sample."""
     s0 = tl.program_id(0) * BLOCK_S  # tiles on axis 0: grid axes 1 and 2 stop at 65535
     n = tl.program_id(1)
     mean, rstd, w, b = _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG,
@@ -264,71 +275,76 @@ def _gn_bwd_dx_kernel(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, c
 
 # --- tiles and splits: a frozen table, then a heuristic --------------------------------------------
 
-# (arch, dtype, width class) -> (elements per [BLOCK_S, BLOCK_C] tile, num_warps, programs per SM) of the
-# split (statistics) passes, then (elements per tile, num_warps) of the elementwise (normalize, dx)
-# passes, then (num_stages, unroll) of the forward's and of the backward's split loop (0: the compiler's
-# choice). Width class: 'narrow' (C <= 128), 'mid' (C <= 256) or 'wide'. Filled from
-# `scripts/gpu_check_norm.py --stages sweep loop` runs (CUDA-graph timing of every site shape); other
-# keys use the heuristic.
-TILE_TABLE: dict[tuple[str, str, str], tuple[int, ...]] = {
+@dataclass(frozen=True)
+class NormTile:
+    """Launch shape of the passes. The split (statistics) passes walk tiles of `split_elems` elements
+    ([BLOCK_S, BLOCK_C]) on `split_warps` warps, about `per_sm` programs per SM; the elementwise
+    (normalize, dx) passes take tiles of `ew_elems` elements on `ew_warps` warps. The forward's and the
+    backward's split loops run `tl.range` with num_stages `*_stages` and loop_unroll_factor `*_unroll`
+    (0: the compiler's choice), which change neither the arithmetic nor its order."""
+    split_elems: int
+    split_warps: int
+    per_sm: int
+    ew_elems: int
+    ew_warps: int
+    fwd_stages: int = 0
+    fwd_unroll: int = 0
+    bwd_stages: int = 0
+    bwd_unroll: int = 0
+
+
+# (arch, dtype, width class) -> tile. Width class: 'narrow' (C <= 128), 'mid' (C <= 256) or 'wide'.
+# Filled from `python -m scaffold.bench.tune_norm` sweeps (CUDA-graph timing of every site shape,
+# then of the split loops); other keys use the heuristic.
+TILE_TABLE: dict[tuple[str, str, str], NormTile] = {
     # H200, 2026-12-02 sweeps (bf16 channels-last, device time, hardware bf16 rounding): narrow sites
     # take 4096-element elementwise tiles on 4 warps (fwd + bwd 64@128³ 0.624 -> 0.606 ms, 128@64³
     # 0.205 -> 0.194, 128@128³ 1.214 -> 1.134 against 8192 on 8 warps); 256-channel sites 2 split
     # programs per SM (256@32³ 0.105 -> 0.088 ms, 256@64³ 0.381 -> 0.364); wider sites long split tiles
     # and fewer splits (512@16³ fwd+bwd 0.089 -> 0.056 ms; 2048@8³ 0.076 -> 0.051).
-    # Split loops (`--stages loop`, same bits): the backward's 3 stages deep at C <= 256 (64@256³
+    # Split loops (`--loops`, same bits): the backward's 3 stages deep at C <= 256 (64@256³
     # bwd 2.823 -> 2.565 ms, 128@128³ 0.706 -> 0.632, 64@128³ 0.379 -> 0.343); the forward's too
     # at 256 channels (256@64³ 0.149 -> 0.124), the compiler's loop at C <= 128 (64@256³: 1.628
     # against 1.71-1.82 ms for every other option).
-    ("sm90", "bf16", "narrow"): (4096, 8, 4, 4096, 4, 0, 0, 3, 0),
-    ("sm90", "bf16", "mid"): (4096, 8, 2, 4096, 8, 3, 0, 3, 0),
-    ("sm90", "bf16", "wide"): (16384, 16, 2, 4096, 8),
+    ("sm90", "bf16", "narrow"): NormTile(4096, 8, 4, 4096, 4, bwd_stages=3),
+    ("sm90", "bf16", "mid"): NormTile(4096, 8, 2, 4096, 8, fwd_stages=3, bwd_stages=3),
+    ("sm90", "bf16", "wide"): NormTile(16384, 16, 2, 4096, 8),
 }
 
 
-def _dtype_key(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-
-
-def _heuristic_tile(arch: str) -> tuple[int, int, int, int, int]:
+def _heuristic_tile(arch: str) -> NormTile:
     if arch == "cpu":
-        return 64, 1, 4, 64, 1  # the interpreter pays per program and per element: tiny tiles
+        return NormTile(64, 1, 4, 64, 1)  # the interpreter pays per program and per element: tiny tiles
     # 16 elements per thread: 16-byte vector loads, and (sm90 compile) 62 registers in the statistics
     # pass, ~100 in the backward's, so 2-4 programs of 8 warps stay resident per SM.
-    return 4096, 8, 4, 4096, 8
+    return NormTile(4096, 8, 4, 4096, 8)
+
+
+def norm_tile(device: torch.device, dtype: torch.dtype, C: int) -> NormTile:
+    """The tile of a call with C channels: the frozen table's entry, else the heuristic's."""
+    arch = arch_key(device)
+    width = "narrow" if C <= 128 else "mid" if C <= 256 else "wide"
+    return TILE_TABLE.get((arch, dtype_key(dtype), width)) or _heuristic_tile(arch)
 
 
 class Plan:
-    """Launch geometry of one call: a pure function of (shape, groups, device, dtype).
-
-    `tile` overrides the table: (elements, warps, programs per SM) for every pass, or five values
-    (split passes' elements, warps, programs per SM, then the elementwise passes' elements, warps),
-    then optionally the split passes' tile loops: (num_stages, loop_unroll_factor) of `tl.range`, once
-    for both passes (seven values) or for the forward's then the backward's (nine); 0 leaves it to the
-    compiler. Loop depth and unrolling change neither the arithmetic nor its order."""
+    """Launch geometry of one call: a pure function of (shape, groups, device, dtype), and of `tile`
+    where given (it overrides the table)."""
 
     def __init__(self, N: int, C: int, S: int, G: int, device: torch.device, dtype: torch.dtype,
-                 tile: Optional[tuple[int, ...]] = None):
-        arch = arch_key(device)
-        width = "narrow" if C <= 128 else "mid" if C <= 256 else "wide"
-        tile = tuple(tile or TILE_TABLE.get((arch, _dtype_key(dtype), width), _heuristic_tile(arch)))
-        if len(tile) == 3:
-            tile = tile + tile[:2]
-        if len(tile) == 5:
-            tile = tile + (0, 0)
-        if len(tile) == 7:
-            tile = tile + tile[5:]
-        elems, self.num_warps, per_sm, ew_elems, self.ew_warps = tile[:5]
-        self.fwd_loop = dict(STAGES=tile[5] or None, UNROLL=tile[6] or None)
-        self.bwd_loop = dict(STAGES=tile[7] or None, UNROLL=tile[8] or None)
+                 tile: Optional[NormTile] = None):
+        t = tile or norm_tile(device, dtype, C)
+        self.num_warps, self.ew_warps = t.split_warps, t.ew_warps
+        self.fwd_loop = dict(STAGES=t.fwd_stages or None, UNROLL=t.fwd_unroll or None)
+        self.bwd_loop = dict(STAGES=t.bwd_stages or None, UNROLL=t.bwd_unroll or None)
         self.block_c = next_pow2(C)
-        self.block_s = max(1, elems // self.block_c)
+        self.block_s = max(1, t.split_elems // self.block_c)
         steps = cdiv(S, self.block_s)
-        want = cdiv(per_sm * sm_count(device), N)  # splits per sample
+        want = cdiv(t.per_sm * sm_count(device), N)  # splits per sample
         splits = max(1, min(want, steps))
         self.chunk = cdiv(steps, splits) * self.block_s
         self.splits = cdiv(S, self.chunk)
-        self.ew_block_s = max(1, ew_elems // self.block_c)
+        self.ew_block_s = max(1, t.ew_elems // self.block_c)
         self.tiles = cdiv(S, self.ew_block_s)  # elementwise programs per sample
         self.block_cg = next_pow2(C // G)
         self.block_p = max(1, min(next_pow2(self.splits), 4096 // self.block_cg))
@@ -336,7 +352,7 @@ class Plan:
 
 @functools.lru_cache(maxsize=1024)
 def plan_for(N: int, C: int, S: int, G: int, device: torch.device, dtype: torch.dtype,
-             tile: Optional[tuple[int, ...]] = None) -> Plan:
+             tile: Optional[NormTile] = None) -> Plan:
     """The Plan of a call, built once per (shape, groups, device, dtype, tile): a pure function of
     those, and a launch's host time is spent on every call (two per site and step)."""
     return Plan(N, C, S, G, device, dtype, tile)
@@ -352,7 +368,8 @@ def empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype F.group_norm returns for x here: fp32 under CUDA autocast (its fp32 list), else x's."""
+    """The dtype F.group_norm returns for x here. On CUDA under autocast F.group_norm runs in fp32 (it
+    is on autocast's fp32 list) and returns fp32; elsewhere the output has the input's dtype."""
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
         return torch.float32
     return x.dtype
@@ -362,13 +379,15 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
 
 def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], eps: float, relu: bool, out_dtype: torch.dtype,
-            out: Optional[torch.Tensor] = None, tile=None):
-    """Returns (y, mean, rstd); mean and rstd are fp32 [N, G]."""
+            out: Optional[torch.Tensor] = None, tile: Optional[NormTile] = None):
+    """Returns (y, mean, rstd); mean and rstd are fp32 [N, G]. Reads x twice, writes y once."""
     N, C = x.shape[:2]
     S = x[0, 0].numel()
     G = num_groups
+    # Only D, H, W must collapse into one stride; otherwise x is first made channels-last, which
+    # costs one extra read and write of x.
     x, (x_sn, x_ss, x_sc) = flat_nsc(x)
-    plan = plan_for(N, C, S, G, x.device, x.dtype, None if tile is None else tuple(tile))
+    plan = plan_for(N, C, S, G, x.device, x.dtype, tile)
     y = empty_like_layout(x, out_dtype) if out is None else out
     y_sn, y_ss, y_sc = nsc_strides(y)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -392,14 +411,15 @@ def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
 
 def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor, num_groups: int,
-             relu: bool, out: Optional[torch.Tensor] = None, tile=None):
-    """Returns (dx, dweight, dbias); dweight and dbias are [C] in the weight's dtype (fp32 without one)."""
+             relu: bool, out: Optional[torch.Tensor] = None, tile: Optional[NormTile] = None):
+    """Returns (dx, dweight, dbias); dweight and dbias are [C] in the weight's dtype (fp32 without one).
+    Reads x and dy twice, writes dx once."""
     N, C = x.shape[:2]
     S = x[0, 0].numel()
     G = num_groups
     x, (x_sn, x_ss, x_sc) = flat_nsc(x)
     dy, (d_sn, d_ss, d_sc) = flat_nsc(dy)
-    plan = plan_for(N, C, S, G, x.device, x.dtype, None if tile is None else tuple(tile))
+    plan = plan_for(N, C, S, G, x.device, x.dtype, tile)
     dx = empty_like_layout(x, x.dtype) if out is None else out
     o_sn, o_ss, o_sc = nsc_strides(dx)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -538,7 +558,9 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """F.group_norm(x, num_groups, weight, bias, eps), then F.relu when `relu`; autograd-aware.
 
-    Returns the dtype F.group_norm would (fp32 under CUDA autocast) unless `out_dtype` is given."""
+    Returns the dtype F.group_norm would (fp32 under CUDA autocast) unless `out_dtype` is given: when
+    the consumer is a bf16 convolution, writing bf16 here gives it the very bits its own cast would,
+    with half the bytes written here and read by the backward."""
     _check(x, num_groups, weight, bias)
     dtype = output_dtype(x) if out_dtype is None else out_dtype
     args = (x, weight, bias, num_groups, float(eps), bool(relu), dtype)

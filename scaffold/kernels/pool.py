@@ -1,18 +1,12 @@
 """2×2×2 max pooling, stride 2: one pass forward, one pass backward; channels-last (NDHWC) out, any
 input strides (NDHWC is the layout that reads in order).
 
-Algorithm. Forward: a program takes BLOCK_P pooled voxels × BLOCK_C channels and reads their windows'
-8 voxels in window order (d, h, w), channels fastest (the NDHWC rows). The running maximum is replaced
-only by a strictly greater value, or by a NaN where it holds none, so the result and its index (0-7,
-stored as uint8) are those of the FIRST maximal element, NaN counting as the largest: the choice
-`torch.max(dim)` makes, and so the bits of the vendor formulation (`scaffold.model.pool`). Backward:
-dx at window offset k is dy where the saved index is k, else zero; each program writes every element
-of its windows once. No scatter, no atomics: deterministic, and nothing but copies and compares.
-
-Bytes: the forward reads x once and writes 1/8 of it (plus the uint8 index); the backward reads dy and
-the index and writes dx once. The vendor formulation gathers the windows through a permuted view
-(a copy), reduces it, converts the index, and in the backward builds a one-hot, selects and permutes
-back: several passes more over the full-size tensors.
+Forward: a program takes BLOCK_P pooled voxels × BLOCK_C channels and reads their windows' 8 voxels
+in window order (d, h, w). It keeps each window's FIRST maximal element, NaN counting as the largest,
+and stores it with its offset in the window (0-7, uint8): the choice `torch.max(dim)` makes, and so
+the bits of the vendor formulation (`scaffold.model.pool`). Backward: dx at window offset k is dy
+where the saved index is k, else zero; each program writes every element of its windows once.
+No scatter, no atomics: deterministic, and nothing but copies and compares.
 """
 from __future__ import annotations
 
@@ -23,15 +17,14 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import cdiv, next_pow2, triton_usable
-from .grid import voxel_coords
-from .nsc import empty_channels_last, to_f32
+from .lib.device import triton_usable
+from .lib.indexing import cdiv, next_pow2, voxel_coords
+from .lib.layout import empty_channels_last
+from .lib.rounding import to_f32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements of one window offset per program (the forward makes 8 loads of this many, the backward 8
-# stores). H200, bf16, device time at 64@128³ / 64@256³ (`bench.pool`'s sites), forward: 1024 →
-# 0.082 / 0.586 ms, 2048 → 0.114 / 0.780, 4096 → 0.137 / 0.946; backward: 1024 → 0.086 / 0.693,
-# 2048 → 0.084 / 0.694, 8192 → 0.105 / 0.759.
+# stores): the fastest sizes of an H200 sweep (docs/kernels.md).
 _FWD_TILE = 1024
 _BWD_TILE = 2048
 
@@ -53,10 +46,13 @@ def _pool_fwd_kernel(x_ptr, y_ptr, i_ptr, P, C, DO, HO, WO,
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (p < P)[:, None] & (c < C)[None, :]
+    # Channels fastest: in NDHWC each of the 8 loads reads whole rows.
     src = x_ptr + _offsets(p, c, DO, HO, WO, sxn, sxc, sxd, sxh, sxw, 2)
     best = tl.load(src, mask=mask)
     best32 = to_f32(best)  # compared in fp32 (exact), as the GPU compares 16-bit floats anyway
     index = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.int32)
+    # The running maximum is replaced only by a strictly greater value, or by a NaN where it holds
+    # none, so the result and its index are those of the first maximal element, NaN the largest.
     for k in tl.static_range(1, 8):
         v = tl.load(src + (k // 4) * sxd + ((k // 2) % 2) * sxh + (k % 2) * sxw, mask=mask)
         v32 = to_f32(v)
@@ -102,7 +98,7 @@ def pool_forward(x: torch.Tensor, out: Optional[torch.Tensor] = None,
                  index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, index): the 2×2×2 max pool of x (N, C, D, H, W) and each window's offset (0-7, uint8, in
     (d, h, w) order) of its first maximal element, channels-last (or into `out`, `index`: any
-    strides); x may have any strides."""
+    strides); x may have any strides. Reads x once and writes 1/8 of it (plus the uint8 index)."""
     shape = _pooled_shape(x.shape)
     y = empty_channels_last(shape, x.dtype, x.device) if out is None else out
     index = empty_channels_last(shape, torch.uint8, x.device) if index is None else index
@@ -116,7 +112,7 @@ def pool_forward(x: torch.Tensor, out: Optional[torch.Tensor] = None,
 def pool_backward(g: torch.Tensor, index: torch.Tensor, dtype: torch.dtype,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dx (N, C, 2D', 2H', 2W') in `dtype`, channels-last (or into `out`): g where the window's index
-    points, else 0. g and index may have any strides."""
+    points, else 0. g and index may have any strides. Reads dy and the index and writes dx once."""
     n, c, do, ho, wo = g.shape
     dx = empty_channels_last((n, c, 2 * do, 2 * ho, 2 * wo), dtype, g.device) if out is None else out
     grid, meta = _geometry(n * do * ho * wo, c, _BWD_TILE)
@@ -149,7 +145,10 @@ def max_pool2_supported(x: torch.Tensor) -> bool:
 
 def max_pool2(x: torch.Tensor) -> torch.Tensor:
     """F.max_pool3d(x, 2) with a deterministic backward, on Triton: bitwise the vendor formulation's
-    result and gradient (first maximal element per window, NaN propagating)."""
+    result and gradient (first maximal element per window, NaN propagating). The vendor formulation
+    gathers the windows through a permuted view (a copy), reduces it, converts the index, and in the
+    backward builds a one-hot, selects and permutes back: several passes more over the full-size
+    tensors."""
     if not max_pool2_supported(x):
         raise ValueError(f"max_pool2: unsupported input {tuple(x.shape)} {x.dtype} {x.device}: need a "
                          "5-D float tensor with even D, H, W on a Triton-usable device")

@@ -1,44 +1,29 @@
-"""The CE + soft Dice loss head fused into three launches (two forward, one backward), deterministic.
+"""The CE + soft Dice loss head (scaffold.loss.SegmentationLoss.terms) in three launches, deterministic.
 
-The function is scaffold.loss.SegmentationLoss.terms: with p = softmax(z) per voxel (fp32), y the label,
+With p = softmax(z) per voxel (fp32), y the label and w the class weights:
   CE   = Σ_v w[y_v]·(−log p_y(v)) / Σ_v w[y_v]                     over the whole batch
   dice = mean over foreground c of (2 I_nc + eps) / (P_nc + G_nc + eps), exactly 1 where G_nc = 0,
          I = Σ_v p_c·[y=c], P = Σ_v p_c, G = Σ_v [y=c]              per sample n
   loss = CE + (1 − mean_n dice_n)
-
-Forward. Logits are viewed as [N, V, C] through strides (V = D·H·W flattened: NDHWC and NCDHW both work
-without a copy; other layouts are first made channels-last). Grid (splits, N): each program walks its
-contiguous run of voxels in tiles [BLOCK_V, BLOCK_C], upcasts to fp32, takes max, log-sum-exp, log p_y and
-p, and accumulates element-wise in registers K = 2 + 3C sums: Σ w·nll, Σ w, and per class I, P, G. It
-stores them once, to its own slot of an fp32 partials buffer [N, splits, K]. Splits are many (about 16
-programs per multiprocessor: a streaming reduction needs loads in flight). A second launch, one program,
-adds each sample's slots as one fixed tree (the same every call), stores the sums [N, K] for the
-backward and computes CE, each sample's Dice and the loss. No atomics and no host reads: the split count
-and the tree are pure functions of (N, V, C, device), so the bits are too.
-
-Backward (autograd), one launch. Every program rebuilds its sample's coefficients from the saved sums
-(a few dozen flops) so that dL/dp_c(v) = A_nc·[y_v = c] + B_nc (the Dice part; zero for the background
-and for absent classes) and the CE part is s·w[y]·(p_c − [c = y]) with s = (dL/dCE)/Σ w; then it
-recomputes p for its voxel tile and writes dz_c = s·w[y]·(p_c − [c = y]) + p_c·(a_c − Σ_j a_j·p_j),
-a = A·[y=c] + B, in the logits' dtype and layout. The incoming gradients (0-d and (N,) device tensors,
-or None for an unused output) are read on the device, so nothing is read on the host.
-
-Labels must lie in [0, C): a voxel with any other label adds nothing (the eager head would fail on it);
-check a dataset once with scaffold.loss.check_labels. uint8 labels (what the trainer passes) are read
-as such: a quarter of int64's bytes.
+Logits are viewed as [N, V, C] through their strides (NDHWC and NCDHW are read in place). Forward:
+per (split of the voxels, sample) K = 2 + 3C fp32 partial sums; then one program adds them in a
+fixed tree and computes the terms. Backward, one launch: dz per voxel tile, p recomputed. No atomics
+and no host reads: the split count and the tree are pure functions of (N, V, C, device).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import arch_key, cdiv, next_pow2, sm_count, triton_usable
-# The bf16 widening and round-to-nearest-even store that survive Triton's CPU interpreter, and the
-# [N, S, C] stride view of a 5-D tensor: shared with the GroupNorm kernels.
-from .nsc import cast_rne, flat_nsc, nsc_strides, to_f32
+from .lib.device import arch_key, sm_count, triton_usable
+from .lib.indexing import cdiv, next_pow2
+from .lib.layout import flat_nsc, nsc_strides
+from .lib.rounding import cast_rne, to_f32
+from .lib.splits import chunk_range
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_CLASSES = 16
@@ -74,6 +59,27 @@ def _grad_scales(sums_ptr, gl_ptr, gc_ptr, gd_ptr, n, N, K, C,
 
 
 @triton.jit
+def _zero_sums(BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Element-wise accumulators of a split's K sums: Σ w·nll and Σ w per voxel lane, then I, P, G per
+    (voxel lane, class). Summed in registers, reduced once by `_store_partial_sums`: short fp32 sums,
+    one fixed order."""
+    nll = tl.zeros([BLOCK_V], tl.float32)
+    wsum = tl.zeros([BLOCK_V], tl.float32)
+    inter = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
+    psum = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
+    gsum = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
+    return nll, wsum, inter, psum, gsum
+
+
+@triton.jit
+def _store_partial_sums(part_ptr, n, split, splits, K, nll, wsum, inter, psum, gsum, cols, cmask, C):
+    """The accumulators of `_zero_sums`, reduced, to the split's own slot of the [N, splits, K] partials."""
+    out = part_ptr + (n * splits + split).to(tl.int64) * K
+    _store_sums(out, tl.sum(nll, axis=0), tl.sum(wsum, axis=0), tl.sum(inter, axis=0),
+                tl.sum(psum, axis=0), tl.sum(gsum, axis=0), cols, cmask, C)
+
+
+@triton.jit
 def _softmax_tile(z_base, y_base, w, v0, end, C, z_sv, z_sc, y_sv,
                   BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
     """One tile of voxels [v0, v0 + BLOCK_V) ∩ [.., end): log p, p (0 on padding columns), the one-hot
@@ -99,21 +105,20 @@ def _softmax_tile(z_base, y_base, w, v0, end, C, z_sv, z_sc, y_sv,
 def _loss_fwd_partials_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, C, K, chunk, splits,
                               z_sn, z_sv, z_sc, y_sn, y_sv,
                               BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The "tile" form's forward: walks the split's contiguous run of voxels in tiles [BLOCK_V,
+    BLOCK_C], upcasts to fp32, takes max, log-sum-exp, log p_y and p, and accumulates K = 2 + 3C sums
+    element-wise in registers: Σ w·nll, Σ w, and per class I, P, G. Stores them once, to its own slot
+    of an fp32 partials buffer [N, splits, K]. Grid (splits, N); splits are many: a streaming
+    reduction needs loads in flight."""
     split = tl.program_id(0)
     n = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, V)
+    start, end = chunk_range(split, chunk, V)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
     z_base = z_ptr + n.to(tl.int64) * z_sn
     y_base = y_ptr + n.to(tl.int64) * y_sn
-    # Element-wise accumulators, reduced once at the end: short fp32 sums, one fixed order.
-    nll = tl.zeros([BLOCK_V], tl.float32)
-    wsum = tl.zeros([BLOCK_V], tl.float32)
-    inter = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
-    psum = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
-    gsum = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
+    nll, wsum, inter, psum, gsum = _zero_sums(BLOCK_V, BLOCK_C)
     for v0 in range(start, end, BLOCK_V):
         logp, p, onehot, wy, mask, rmask = _softmax_tile(z_base, y_base, w, v0, end, C, z_sv, z_sc,
                                                          y_sv, BLOCK_V, BLOCK_C)
@@ -122,9 +127,7 @@ def _loss_fwd_partials_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, C, K, chunk, spl
         inter += tl.where(onehot, p, 0.0)
         psum += tl.where(mask, p, 0.0)
         gsum += onehot.to(tl.float32)
-    out = part_ptr + (n * splits + split).to(tl.int64) * K
-    _store_sums(out, tl.sum(nll, axis=0), tl.sum(wsum, axis=0), tl.sum(inter, axis=0),
-                tl.sum(psum, axis=0), tl.sum(gsum, axis=0), cols, cmask, C)
+    _store_partial_sums(part_ptr, n, split, splits, K, nll, wsum, inter, psum, gsum, cols, cmask, C)
 
 
 @triton.jit
@@ -178,6 +181,11 @@ def _loss_bwd_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_p
                      z_sn, z_sv, z_sc, y_sn, y_sv, d_sn, d_sv, d_sc,
                      HAS_GL: tl.constexpr, HAS_GC: tl.constexpr, HAS_GD: tl.constexpr,
                      BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The "tile" form's backward, one voxel tile per program. With the sample's coefficients, Dice
+    part dL/dp_c(v) = A_nc·[y_v = c] + B_nc (zero for the background and for absent classes) and CE
+    part s·w[y]·(p_c − [c = y]), s = (dL/dCE)/Σ w, it recomputes p for its tile and writes
+    dz_c = s·w[y]·(p_c − [c = y]) + p_c·(a_c − Σ_j a_j·p_j), a = A·[y=c] + B, in the logits' dtype and
+    layout."""
     v0 = tl.program_id(0) * BLOCK_V  # tiles on axis 0: grid axes 1 and 2 stop at 65535
     n = tl.program_id(1)
     cols = tl.arange(0, BLOCK_C)
@@ -210,9 +218,9 @@ def _loss_bwd_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_p
 # lanes, cross-lane shuffles). These hold one voxel per lane and loop over the C classes (a compile-time
 # constant), re-reading the logits from L1: no padding, no shuffles. The rows forward still adds its
 # per-class sums into [voxels, next_pow2(C)] accumulator tiles; the unrolled forward keeps each class's
-# sums in per-lane scalars of its own (C <= 8), so no tile at all: at 128³ × 6 classes on an H200 its
-# forward takes 32 µs against the rows form's 57. Both share the backward. Same sums, same formulas;
-# the floating-point order differs between forms, so each form is bitwise repeatable on its own.
+# sums in per-lane scalars of its own (C <= 8), so no tile at all. Both share the backward. Same sums,
+# same formulas; the floating-point order differs between forms, so each form is bitwise repeatable on
+# its own.
 
 @triton.jit
 def _row_stats(zrow, rmask, z_sc, C: tl.constexpr):
@@ -232,17 +240,12 @@ def _loss_fwd_partials_rows_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, K, chunk, s
                                    C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
     split = tl.program_id(0)
     n = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, V)
+    start, end = chunk_range(split, chunk, V)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
     z_base = z_ptr + n.to(tl.int64) * z_sn
     y_base = y_ptr + n.to(tl.int64) * y_sn
-    nll = tl.zeros([BLOCK_V], tl.float32)
-    wsum = tl.zeros([BLOCK_V], tl.float32)
-    inter = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
-    psum = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
-    gsum = tl.zeros([BLOCK_V, BLOCK_C], tl.float32)
+    nll, wsum, inter, psum, gsum = _zero_sums(BLOCK_V, BLOCK_C)
     for v0 in range(start, end, BLOCK_V):
         rows = v0 + tl.arange(0, BLOCK_V)
         rmask = rows < end
@@ -261,9 +264,7 @@ def _loss_fwd_partials_rows_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, K, chunk, s
         mask2 = rmask[:, None] & cmask[None, :]
         z2 = to_f32(tl.load(zrow[:, None] + cols.to(tl.int64)[None, :] * z_sc, mask=mask2, other=0.0))
         psum += tl.where(mask2, tl.exp((z2 - m[:, None]) - ls[:, None]), 0.0)
-    out = part_ptr + (n * splits + split).to(tl.int64) * K
-    _store_sums(out, tl.sum(nll, axis=0), tl.sum(wsum, axis=0), tl.sum(inter, axis=0),
-                tl.sum(psum, axis=0), tl.sum(gsum, axis=0), cols, cmask, C)
+    _store_partial_sums(part_ptr, n, split, splits, K, nll, wsum, inter, psum, gsum, cols, cmask, C)
 
 
 @triton.jit
@@ -295,8 +296,7 @@ def _loss_fwd_partials_unrolled_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, K, chun
     [voxels, classes] tile at all. The accumulators are spelled out: Triton has no arrays."""
     split = tl.program_id(0)
     n = tl.program_id(1)
-    start = split * chunk
-    end = tl.minimum(start + chunk, V)
+    start, end = chunk_range(split, chunk, V)
     z_base = z_ptr + n.to(tl.int64) * z_sn
     y_base = y_ptr + n.to(tl.int64) * y_sn
     nll = tl.zeros([BLOCK_V], tl.float32)
@@ -391,48 +391,60 @@ def _loss_bwd_rows_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr,
 
 # --- launch geometry --------------------------------------------------------------------------------
 
-# (arch) -> (voxels per tile, warps, forward split programs per multiprocessor, form). Forms: "tile",
-# "rows", "unrolled" (see the kernels; the last two share the rows backward). Filled from scripts/gpu_profile_loss.py sweeps; other devices use the heuristic below.
-TILE_TABLE: dict[str, tuple] = {
-    # H200, 2026-12-02, 128³ × 6 classes bf16, device time of forward + backward: the unrolled form
-    # (128 voxels, 4 warps, ~8 split programs per SM) 81.5 µs (forward 32.3, backward 49.2); the rows
-    # form's best (128, 4, 16) 106.1 µs (forward 56.9); the best tile-form plan (32, 2, 16) 168 µs.
-    "sm90": (128, 4, 8, "unrolled"),
-}
 FORMS = ("tile", "rows", "unrolled")
 UNROLLED_MAX_CLASSES = 8  # the "unrolled" forward spells out 8 accumulator sets
 
 
-def _heuristic_tile(arch: str, block_c: int) -> tuple:
+@dataclass(frozen=True)
+class LossTile:
+    """Launch shape of the passes: `voxels` per tile (BLOCK_V) on `warps` warps, about `per_sm` forward
+    split programs per multiprocessor, and the forward's `form`: "tile", "rows" or "unrolled" (see the
+    kernels; the last two share the rows backward)."""
+    voxels: int
+    warps: int
+    per_sm: int
+    form: str = "tile"
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"seg_loss tile form {self.form!r}: expected one of {FORMS}")
+
+
+# arch -> tile. Filled from `python -m scaffold.bench.tune_loss` sweeps; other devices use the heuristic.
+TILE_TABLE: dict[str, LossTile] = {
+    # H200, 2026-12-02, 128³ × 6 classes bf16, device time of forward + backward: the unrolled form
+    # (128 voxels, 4 warps, ~8 split programs per SM) 81.5 µs (forward 32.3, backward 49.2); the rows
+    # form's best (128, 4, 16) 106.1 µs (forward 56.9); the best tile-form plan (32, 2, 16) 168 µs.
+    "sm90": LossTile(128, 4, 8, "unrolled"),
+}
+
+
+def _heuristic_tile(arch: str, block_c: int) -> LossTile:
     if arch == "cpu":
-        return max(16, 256 // block_c), 4, 4, "tile"  # the interpreter pays per tile, not per element
+        return LossTile(max(16, 256 // block_c), 4, 4)  # the interpreter pays per tile, not per element
     # As measured on sm90 (the table): one voxel per lane, per-class sums in per-lane accumulators (the
     # plan takes the rows forward past 8 classes), enough split programs to keep loads in flight.
-    return 128, 4, 8, "unrolled"
+    return LossTile(128, 4, 8, "unrolled")
 
 
 class Plan:
     """Tile and split sizes of one call: a pure function of (N, V, C, device) and an optional tile
-    override (tests use tiny tiles to get many splits at tiny shapes): (voxels, warps, programs per
-    SM[, form])."""
+    override (tests use tiny tiles to get many splits at tiny shapes)."""
 
     def __init__(self, N: int, V: int, C: int, device: torch.device, block_v: Optional[int] = None,
-                 tile: Optional[tuple] = None):
+                 tile: Optional[LossTile] = None):
         self.block_c = next_pow2(C)
         arch = arch_key(device)
-        tile = tuple(tile or TILE_TABLE.get(arch) or _heuristic_tile(arch, self.block_c))
-        bv, self.num_warps, per_sm = tile[:3]
-        self.form = tile[3] if len(tile) > 3 else "tile"
-        if self.form not in FORMS:
-            raise ValueError(f"seg_loss tile form {self.form!r}: expected one of {FORMS}")
+        t = tile or TILE_TABLE.get(arch) or _heuristic_tile(arch, self.block_c)
+        self.num_warps, self.form = t.warps, t.form
         if self.form == "unrolled" and C > UNROLLED_MAX_CLASSES:
             self.form = "rows"  # the same backward, and a forward with its per-class sums in a tile
-        self.block_v = block_v or bv
+        self.block_v = block_v or t.voxels
         self.k = 2 + 3 * C
         steps = cdiv(V, self.block_v)
         # Splits per sample: about per_sm programs per multiprocessor over the batch, each walking at
         # least two tiles. A pure function of shape and device, so the fixed summation order is too.
-        splits = max(1, min(cdiv(per_sm * sm_count(device), N), steps // 2))
+        splits = max(1, min(cdiv(t.per_sm * sm_count(device), N), steps // 2))
         self.chunk = cdiv(steps, splits) * self.block_v
         self.splits = cdiv(V, self.chunk)
         self.tiles = steps
@@ -441,17 +453,20 @@ class Plan:
 
 
 def _label_view(labels: torch.Tensor) -> torch.Tensor:
-    """Labels as [N, V]: a view when D, H, W collapse (the usual contiguous case), else a copy."""
+    """Labels as [N, V]: a view when D, H, W collapse (the usual contiguous case), else a copy. uint8
+    labels (what the trainer passes) are read as such: a quarter of int64's bytes."""
     return labels.reshape(labels.shape[0], -1)
 
 
 # --- launchers (tests call these directly, e.g. with a NaN-poisoned `out`) ---------------------------
 
 def forward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, eps: float,
-            block_v: Optional[int] = None, tile=None):
+            block_v: Optional[int] = None, tile: Optional[LossTile] = None):
     """(loss, ce, dice (N,), sums [N, K]); K = 2 + 3C: Σ w·nll, Σ w, then I, P, G per class. Two launches:
     the split partials, then one program for the fixed-order sums and the terms."""
     N, C = logits.shape[:2]
+    # V = D·H·W flattened: NDHWC and NCDHW work without a copy; other layouts are first made
+    # channels-last.
     z, (z_sn, z_sv, z_sc) = flat_nsc(logits)
     y = _label_view(labels)
     V = y.shape[1]
@@ -490,9 +505,11 @@ def empty_grad_like(logits: torch.Tensor) -> torch.Tensor:
 def backward(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, sums: torch.Tensor,
              eps: float, g_loss: Optional[torch.Tensor], g_ce: Optional[torch.Tensor],
              g_dice: Optional[torch.Tensor], out: Optional[torch.Tensor] = None,
-             block_v: Optional[int] = None, tile=None) -> torch.Tensor:
+             block_v: Optional[int] = None, tile: Optional[LossTile] = None) -> torch.Tensor:
     """dL/dlogits for L = g_loss·loss + g_ce·ce + Σ_n g_dice[n]·dice[n] (None: no such term), in the
-    logits' dtype and layout. One launch: each program rebuilds the per-sample coefficients itself."""
+    logits' dtype and layout. One launch: each program rebuilds the per-sample coefficients itself.
+    The incoming gradients (0-d and (N,) device tensors, or None for an unused output) are read on
+    the device, so nothing is read on the host."""
     N, C = logits.shape[:2]
     z, (z_sn, z_sv, z_sc) = flat_nsc(logits)
     y = _label_view(labels)
@@ -566,10 +583,13 @@ def _check(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> 
 
 
 def seg_loss_terms(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, eps: float,
-                   *, block_v: Optional[int] = None, tile: Optional[tuple] = None):
+                   *, block_v: Optional[int] = None, tile: Optional[LossTile] = None):
     """(loss, ce, soft Dice per sample (N,)) as SegmentationLoss.terms gives them: fp32 device tensors,
     differentiable with respect to the logits. `block_v` and `tile` override the plan (tests and
-    benchmarks only)."""
+    benchmarks only).
+
+    Labels must lie in [0, C): a voxel with any other label adds nothing (the eager head would fail
+    on it); check a dataset once with scaffold.loss.check_labels."""
     _check(logits, labels, weight)
     w = weight.detach().to(torch.float32).contiguous()
     return _SegLossFunction.apply(logits, labels, w, float(eps), block_v, tile)

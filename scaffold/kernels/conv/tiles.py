@@ -1,8 +1,8 @@
 """Frozen tile configurations for the convolution kernels, keyed by (arch, dtype, op, shape class).
 
 Tiles are chosen by table lookup, never by timing at run time, so the bits a run produces depend only
-on (device, dtype, shape). `scripts/tune_conv.py` times candidates offline on a GPU and rewrites the
-TABLE block below; anything missing falls back to `heuristic_tile`.
+on (device, dtype, shape). `python -m scaffold.bench.tune_conv` times candidates offline on a GPU and
+rewrites the TABLE block below; anything missing falls back to `heuristic_tile`.
 
 Ops: 'gather' (forward and backward-data), 'wgrad' (backward-weight), 'convT' (transposed forward),
 'box' (stride-1 forward and backward-data on tensor descriptors), 'boxw' (their backward-weight).
@@ -16,6 +16,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from ..lib.device import dtype_key
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,9 @@ def shape_class(cin: int, cout: int, taps: int, voxels: int = 0) -> str:
     return "wide"
 
 
-def dtype_key(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
-# BEGIN TABLE (written by scripts/tune_conv.py; keys: arch|dtype|op|class)
+# BEGIN TABLE (written by python -m scaffold.bench.tune_conv; keys: arch|dtype|op|class)
 TABLE: dict[str, tuple] = {
     "sm90|bf16|boxw|flat": (64, 32, 128, 4, 4, 8),
     "sm90|bf16|box|flat": (128, 64, 32, 4, 4, 8),
@@ -70,15 +70,9 @@ TABLE: dict[str, tuple] = {
     "sm90|bf16|wgrad|wide": (128, 128, 64, 8, 3, 8),
 }
 # END TABLE
-# The box rows come from `scripts/tune_conv.py --scale 7 --ops box,boxw` (H200, 2026-12-02; boxw
-# tuned again after the wave-aware split count: it kept small and wide and added flat; its tiny pick,
-# the 128 x 128 tile on 8 warps, was within noise of the row kept, 0.385 against 0.396 ms over the
-# four tiny sites, and is of the tile family that raced), with two hand edits: box|wide takes
-# (256, 128, 64, 8, 3), faster than the tuner's 4-stage pick at 6 of 8 sites (the sum was swung by
-# one noisy reading), and boxw|wide (128, 64, 128, 4, 3) instead of the tuner's (128, 128, 64, 8, 3),
-# 1.5% slower in sum: that tile, and the same 128 x 128 tile on 8 warps for the box forward, gave
-# results that differ between calls at several shapes (Triton 3.6), so no table entry or heuristic
-# uses it.
+# The box and boxw rows carry two hand edits over the tuner's picks. Neither they nor the heuristic
+# use the 128 x 128 tile on 8 warps for the box ops: it gave results that differ between calls at
+# several shapes (Triton 3.6). How each row was chosen: docs/kernels.md.
 
 
 def heuristic_tile(arch: str, dtype: torch.dtype, op: str, cls: str) -> Tile:
@@ -115,14 +109,14 @@ def heuristic_tile(arch: str, dtype: torch.dtype, op: str, cls: str) -> Tile:
     return Tile(128, 128, bk, num_warps=8, num_stages=3)
 
 
-# Set only by the offline tuner (scripts/tune_conv.py) while it times candidates: op -> Tile.
+# Set only by the offline tuner (scaffold.bench.tune_conv) while it times candidates: op -> Tile.
 FORCED: dict[str, Tile] = {}
 
 
 def conv_tile(device: torch.device, dtype: torch.dtype, op: str, cin: int, cout: int,
               taps: int, voxels: int = 0) -> Tile:
     """The tile for one launch: the frozen table entry if any, else the heuristic."""
-    from .common import arch_key
+    from ..lib.device import arch_key
 
     if op in FORCED:
         return FORCED[op]

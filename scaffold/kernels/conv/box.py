@@ -1,38 +1,14 @@
 """Conv3d at stride 1 as an implicit GEMM over boxes of voxels, read with tensor descriptors.
 
-Algorithm. A tile's rows are a box of BD×BH×BW voxels of one sample (BLOCK_M = BD·BH·BW). For tap
-(kd, kh, kw) the operand that tap needs is the same box shifted by the tap, a single 5-D descriptor
-load of x viewed as [N, D, H, W, C] (the channels-last memory order): coordinates outside the volume,
-negative ones included, read as zero, which is the zero padding. On Hopper each such load is one copy
-by the tensor memory accelerator into shared memory, so no thread computes a gather address.
-  forward        y[box, co]   = sum over (tap, ci) of x[box + tap·dil − pad, ci] · W[co, ci, tap]
-  backward-data  dx[box, ci]  = sum over (tap, co) of dy[box − tap·dil + pad, co] · W[co, ci, tap]
-                 (stride 1 only: the forward's mirror image, no flip or copy of the weight)
-  backward-wgt   dW[co, ci, tap] = sum over boxes of dy[box, co]ᵀ · x[box + tap·dil − pad, ci],
-                 split-K over the boxes with fp32 partials added in index order (`sum_splits`);
-                 the split count makes whole waves of programs (`wave_split_plan`).
-The weight is read in place as [Cout, taps, Cin] (channels_last_3d order) through a 3-D descriptor.
-Outputs are written with ordinary masked stores (any strides). Where a launch has too few tiles to
-fill the device (the 8³ and 16³ sites), the forward and backward-data split their (tap, channel)
-loop too: fp32 partials per split, added in index order by `sum_splits`.
-
-Narrow inputs. The copy engine needs rows of 16 bytes, so a conv whose input channels are not a
-multiple of 8 (the RGB stem) is rewritten before launch (`box_operands`). When KH·KW·Cin is small
-(≤ FOLD_MAX) its (kh, kw, ci) taps are folded into channels: x_fold[n, d, h, w, (kh·KW + kw)·Cin + ci]
-= x[n, ci, d, h + kh·dil − pad, w + kw·dil − pad] (zero outside, `_fold_hw_kernel`), zero-padded to a
-multiple of 16 channels, and the conv becomes a KD×1×1 one over x_fold (stem: 27 → 32 channels, 3 taps
-instead of 27 taps of 3 channels). The weight gradient of the folded conv, stored through the same
-masks, is bit for bit the layout of the real one ([Cout, kd, kh, kw, ci]), so no copy follows. Wider
-odd channel counts, and backward-data, zero-pad Cin instead. Every added term is an exact zero.
-
-Transposed convs with kernel = stride (the U-Net's upsampling), backward passes (SUB=True): dy is
-read through the 5-D view [N·D, H/k, k, W/k, k·C] of its own memory (`subsampled_desc`), in which the
-tap (a, b, c) of a one-plane box of input voxels is a single box; backward-data is then the forward
-GEMM over (tap, Cout), backward-weight the wgrad GEMM with x in dy's place. Used from 64³ input voxels.
-
-Requirements (`box_supported`): CUDA device with tensor descriptors (or the interpreter), stride 1,
-x (or dy) channels-last dense, output channels a multiple of 8 (16-byte rows of dy, what the copy
-engine needs), and a channels-last weight.
+A tile's rows are a box of BD×BH×BW voxels of one sample. For tap (kd, kh, kw) the operand that tap
+needs is the same box shifted by the tap: one 5-D descriptor load of x viewed as [N, D, H, W, C]
+(channels-last), whose coordinates outside the volume read as zero, which is the zero padding.
+  forward        y[box, co]      = sum over (tap, ci) of x[box + tap·dil − pad, ci] · W[co, ci, tap]
+  backward-data  dx[box, ci]     = sum over (tap, co) of dy[box − tap·dil + pad, co] · W[co, ci, tap]
+  backward-wgt   dW[co, ci, tap] = sum over boxes of dy[box, co]ᵀ · x[box + tap·dil − pad, ci]
+fp32 accumulation; where a reduction is split, fp32 partials are added in index order by `sum_splits`
+(no atomics). Operands must be channels-last (`box_supported`); transposed convs with kernel = stride
+reuse these kernels for their backward passes through a subsampled view of dy (`subsampled_desc`).
 """
 from __future__ import annotations
 
@@ -42,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, cuda_major, next_pow2, sm_count
-from .conv_fwd import dot_mode, mma
-from .grid import grouped_program, tap_coords, voxel_coords
-from .splits import split_plan, sum_splits, wave_split_plan
+from ..lib.device import cuda_major, sm_count
+from ..lib.indexing import cdiv, grouped_program, next_pow2, tap_coords, voxel_coords
+from ..lib.splits import split_plan, sum_splits, wave_split_plan
+from .gather import dot_mode, mma
 
 try:  # Triton >= 3.3 host-side descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -79,8 +55,13 @@ def _conv_box_kernel(
     split = tl.program_id(1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     blocks_c = tl.cdiv(C, BLOCK_K)
+    # Where a launch has too few tiles to fill the device (the 8³ and 16³ sites), the (tap, channel)
+    # loop is split too (grid axis 1): fp32 partials per split, added in index order by `sum_splits`.
     first = split * iters_per_split
     last = tl.minimum(first + iters_per_split, KD * KH * KW * blocks_c)
+    # On Hopper each descriptor load is one copy by the tensor memory accelerator into shared memory,
+    # so no thread computes a gather address; coordinates outside the volume, negative ones included,
+    # read as zero.
     for it in range(first, last):
         tap = it // blocks_c
         c0 = (it - tap * blocks_c) * BLOCK_K
@@ -88,7 +69,7 @@ def _conv_box_kernel(
         if SUB:  # dy of a transposed conv, kernel = stride, through its subsampled view (BD = 1)
             a = x_desc.load([(n * D + d0) * KD + kd, h0, kh, w0, kw * C + c0])
             b = tl.trans(w_desc.load([n0, tap, c0]).reshape(BLOCK_N, BLOCK_K))
-        elif MIRROR:
+        elif MIRROR:  # backward-data, stride 1 only: the forward's mirror image, no flip or copy of W
             a = x_desc.load([n, d0 + PD - kd * DD, h0 + PH - kh * DH, w0 + PW - kw * DW, c0])
             b = w_desc.load([c0, tap, n0]).reshape(BLOCK_K, BLOCK_N)
         else:
@@ -101,6 +82,7 @@ def _conv_box_kernel(
     if HAS_BIAS:  # once: into split 0's partial
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc += tl.where(split == 0, bias, 0.0)[None, :]
+    # Outputs are written with ordinary masked stores, so any strides.
     r = tl.arange(0, BLOCK_M)
     od = d0 + r // (BH * BW)
     oh = h0 + (r // BW) % BH
@@ -130,6 +112,8 @@ def _conv_box_wgrad_kernel(
     BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
+    # Split-K over the boxes (grid axis 1), the fp32 partials added in index order by `sum_splits`;
+    # the split count makes whole waves of programs (`wave_split_plan`).
     # Each program owns TW (1, 2 or 3) neighbouring kw taps: one load of the dy box feeds TW products.
     BLOCK_M: tl.constexpr = BD * BH * BW
     pid = tl.program_id(0)
@@ -207,6 +191,12 @@ def flat_box_shape(size: tuple, block_m: int) -> tuple:
     return 1, min(next_pow2(h), block_m // bw), bw
 
 
+# Transposed convs with kernel = stride (the U-Net's upsampling), backward passes (SUB=True): dy is
+# read through the 5-D view [N·D, H/k, k, W/k, k·C] of its own memory (`subsampled_desc`), in which the
+# tap (a, b, c) of a one-plane box of input voxels is a single box; backward-data is then the forward
+# GEMM over (tap, Cout), backward-weight the wgrad GEMM with x in dy's place. Used from 64³ input
+# voxels (`TRANSPOSED_BOX_MIN_VOXELS`).
+
 def sub_block_k(c: int, block: int) -> int:
     """Channels per step through the subsampled view: at most `block` and dividing c, so a step
     never runs into the next tap's channels (the view's last dim holds kw·C + c)."""
@@ -264,14 +254,20 @@ def _ndhwc(t: torch.Tensor) -> torch.Tensor:
 
 
 def _taps_view(w: torch.Tensor) -> torch.Tensor:
-    """A channels_last_3d weight (Cout, Cin, kd, kh, kw) as its dense [Cout, taps, Cin] storage."""
+    """A channels_last_3d weight (Cout, Cin, kd, kh, kw) as its dense [Cout, taps, Cin] storage: the
+    kernels read the weight in place through a 3-D descriptor over this view."""
     co, ci = w.shape[:2]
     return w.permute(0, 2, 3, 4, 1).reshape(co, -1, ci)
 
 
 def box_supported(tensors: tuple, w_shape, stride: tuple) -> bool:
     """Whether the box kernels take a stride-1 conv of weight shape w_shape whose operands (x, w,
-    dy: what the direction reads) are `tensors`. A pure function of device, dtype, layout, shape."""
+    dy: what the direction reads) are `tensors`. A pure function of device, dtype, layout, shape.
+
+    Requirements: CUDA device with tensor descriptors (or the interpreter), stride 1, x (or dy)
+    channels-last dense, output channels a multiple of 8 (16-byte rows of dy, what the copy engine
+    needs), and a channels-last weight. Narrow inputs (the RGB stem) are rewritten first by
+    `fold.box_operands`."""
     if tuple(stride) != (1, 1, 1) or w_shape[0] % 8:  # dy's rows; odd Cin: box_operands
         return False
     return _descriptor_operands(tensors)
@@ -290,10 +286,9 @@ def transposed_box_supported(tensors: tuple, w_shape) -> bool:
             and voxels >= TRANSPOSED_BOX_MIN_VOXELS and _descriptor_operands(tensors))
 
 
-# Input voxels per sample from which the transposed convs' backward passes take the box kernels.
-# H200, scale-7 sites (box against gather, ms, backward-data / backward-weight): 64³ input
-# 0.106 / 0.238 against 0.164 / 0.481; at 32³ 0.073 / 0.321 against 0.070 / 0.152, and at 16³
-# and 8³ the box kernels were 2-4x slower (their one-plane boxes leave few, short programs).
+# Input voxels per sample from which the transposed convs' backward passes take the box kernels:
+# below it their one-plane boxes leave few, short programs and the gather kernels are faster
+# (H200 timings in docs/kernels.md).
 TRANSPOSED_BOX_MIN_VOXELS = 64 ** 3
 
 
@@ -420,99 +415,3 @@ def conv_box_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ke
     if s > 1:
         sum_splits(partials, out.permute(0, 2, 3, 4, 1).view(-1))
     return out
-
-
-# --- narrow inputs: fold (kh, kw, ci) into channels, or zero-pad them -------------------------------
-
-FOLD_MAX = 64  # fold when KH·KW·Cin is at most this (the stem: 27)
-_CL = torch.channels_last_3d
-
-
-def round16(c: int) -> int:
-    return (c + 15) // 16 * 16
-
-
-def box_channels(c: int) -> int:
-    """A channel count the copy engine can read in rows: c if a multiple of 8, else c rounded up to
-    16 (the zero-padded operand, `pad_channels`)."""
-    return c if c % 8 == 0 else round16(c)
-
-
-def folds(cin: int, kernel: tuple) -> bool:
-    """Whether box_operands folds a conv of `cin` input channels and this kernel."""
-    return cin % 8 != 0 and kernel[1] * kernel[2] * cin <= FOLD_MAX
-
-
-def pad_channels(t: torch.Tensor, cp: int) -> torch.Tensor:
-    """t (N, C, ...) with zero channels appended up to cp, channels_last_3d (t itself if C == cp)."""
-    c = t.shape[1]
-    if c == cp:
-        return t
-    out = torch.empty((t.shape[0], cp, *t.shape[2:]), device=t.device, dtype=t.dtype,
-                      memory_format=_CL)
-    out[:, c:].zero_()
-    out[:, :c].copy_(t)
-    return out
-
-
-@triton.jit
-def _fold_hw_kernel(x_ptr, out_ptr, J, KP, D, HO, WO, H, W, total,
-                    sxn, sxc, sxd, sxh, sxw, PH, PW, DH, DW,
-                    CIN: tl.constexpr, KW: tl.constexpr,
-                    BLOCK_V: tl.constexpr, BLOCK_J: tl.constexpr):
-    v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-    j = tl.arange(0, BLOCK_J)
-    n, d, oh, ow = voxel_coords(v, D, HO, WO)
-    kh, kw, ci = tap_coords(j, KW, CIN)  # j = (kh·KW + kw)·CIN + ci
-    ih = oh[:, None] + (kh * DH - PH)[None, :]
-    iw = ow[:, None] + (kw * DW - PW)[None, :]
-    live = (v < total)[:, None]
-    ok = live & (j < J)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-    src = ((n.to(tl.int64) * sxn + d.to(tl.int64) * sxd)[:, None] + ci[None, :].to(tl.int64) * sxc
-           + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw)
-    val = tl.load(x_ptr + src, mask=ok, other=0.0)
-    tl.store(out_ptr + v.to(tl.int64)[:, None] * KP + j[None, :], val, mask=live & (j < KP)[None, :])
-
-
-def fold_input(x: torch.Tensor, kernel: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
-    """x_fold (N, KP, D, Ho, Wo), channels_last_3d: the (kh, kw, ci) taps of x as channels, zero
-    beyond KH·KW·Cin (KP: that, rounded up to 16). x may have any strides."""
-    n, cin, d, h, w = x.shape
-    ho = h + 2 * padding[1] - dilation[1] * (kernel[1] - 1)
-    wo = w + 2 * padding[2] - dilation[2] * (kernel[2] - 1)
-    j = kernel[1] * kernel[2] * cin
-    kp = round16(j)
-    out = torch.empty((n, kp, d, ho, wo), device=x.device, dtype=x.dtype, memory_format=_CL)
-    total = n * d * ho * wo
-    block_v = 128 if x.is_cuda else 32
-    _fold_hw_kernel[(cdiv(total, block_v),)](
-        x, out, j, kp, d, ho, wo, h, w, total, *x.stride(), padding[1], padding[2],
-        dilation[1], dilation[2], CIN=cin, KW=kernel[2],
-        BLOCK_V=block_v, BLOCK_J=next_pow2(kp))
-    return out
-
-
-def fold_weight(w: torch.Tensor) -> torch.Tensor:
-    """The weight of the folded conv: (Cout, KP, KD, 1, 1), channels_last_3d, zero beyond KH·KW·Cin."""
-    co, cin, kd, kh, kw = w.shape
-    taps = w.permute(0, 2, 3, 4, 1).reshape(co, kd, kh * kw * cin)  # [co, kd, (kh, kw, ci)]
-    kp = round16(kh * kw * cin)
-    out = torch.zeros((co, kd, 1, 1, kp), device=w.device, dtype=w.dtype)
-    out[..., 0, 0, : kh * kw * cin] = taps
-    return out.permute(0, 4, 1, 2, 3)
-
-
-def box_operands(x, w, kernel: tuple, padding: tuple, dilation: tuple):
-    """(x, w, kernel, padding, dilation) of the conv the box kernels run for input x (w may be None,
-    for the weight gradient): as given when Cin is a multiple of 8, else folded (`folds`) or with
-    Cin zero-padded to a multiple of 16. The result is the same conv: every added term is zero."""
-    cin = x.shape[1]
-    if cin % 8 == 0:
-        return x, w, kernel, padding, dilation
-    if folds(cin, kernel):
-        xf = fold_input(x, kernel, padding, dilation)
-        wf = None if w is None else fold_weight(w)
-        return (xf, wf, (kernel[0], 1, 1), (padding[0], 0, 0), (dilation[0], 1, 1))
-    cp = box_channels(cin)
-    return (pad_channels(x, cp), None if w is None else pad_channels(w, cp), kernel, padding,
-            dilation)

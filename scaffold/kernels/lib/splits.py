@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, sm_count
+from .device import sm_count
+from .indexing import cdiv
 
 
 def split_count(device: torch.device, tiles: int, steps: int, partial_elems: int,
@@ -72,6 +73,15 @@ def _wave_split_plan(slots: int, tiles: int, steps: int, partial_elems: int, ste
             best, best_cost = s, cost
     per = cdiv(steps, best)
     return cdiv(steps, per), per
+
+
+@triton.jit
+def chunk_range(split, chunk, total):
+    """[start, end) of chunk number `split` when `total` items are cut into chunks of `chunk` (the
+    last one shorter)."""
+    start = split * chunk
+    end = tl.minimum(start + chunk, total)
+    return start, end
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""What every kernel launcher asks: may this tensor run on Triton here, and which tile table applies."""
+"""The device as the launchers see it: may this tensor run on Triton here, its arch key for the tile
+tables, its compute capability and multiprocessor count (looked up once per device)."""
 from __future__ import annotations
 
 import functools
@@ -37,17 +38,6 @@ def triton_usable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and interpreting()
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) of ints, for host code: triton.cdiv (a constexpr function since Triton 3.6) costs a
-    few microseconds a call on the host, and a launch computes a dozen of these."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1), for host code (see `cdiv`)."""
-    return 1 << (n - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -66,6 +56,11 @@ def _index(device: torch.device) -> int:
 def cuda_major(device: torch.device) -> int:
     """Compute capability major of a CUDA device (9 on Hopper), looked up once per device."""
     return _capability(_index(device))[0]
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    """Key of the frozen tables for a compute dtype."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
 def arch_key(device: torch.device) -> str:

@@ -1,17 +1,14 @@
 """Conv3d backward-weight as a split-K GEMM, deterministic.
 
-Algorithm: dW[r, q] = sum_m G[m, r] * X[gather(m, tap), c], fp32 accumulation, where
+dW[r, q] = sum_m G[m, r] * X[gather(m, tap), c], fp32 accumulation, where
   m = one voxel of G (the conv's output gradient), the reduction, M = N*Do*Ho*Wo
   r = one output channel of the conv                R = Cout
   q = (tap, input channel), q = tap*Cin + c         Q = taps*Cin
   gather(m, tap) = o*stride - pad + tap*dilation, masked to zero outside the input.
-The M reduction is cut into S contiguous chunks (S from `splits.split_plan`, a pure function of the
-shape and the device); program (tile, s) writes the fp32 partial of chunk s to its own slot and
-`sum_splits` adds the slots in index order. With S = 1 the kernel stores the result directly.
-The [R, Q] result is the torch weight (R, Cin, kd, kh, kw) in channels_last_3d memory order.
-Columns are blocked per tap (tap fixed per program, channel blocks) when Cin >= 16, or FLAT (q as one
-masked dimension) for thin inputs such as the RGB stem.
-The transposed conv's weight gradient is this kernel with G = its input and X = its output gradient.
+The M reduction is cut into S contiguous chunks (S a pure function of the shape and the device);
+program (tile, s) writes the fp32 partial of chunk s to its own slot and `sum_splits` adds the slots
+in index order: no atomics. The transposed conv's weight gradient is this kernel with G = its input
+and X = its output gradient.
 """
 from __future__ import annotations
 
@@ -19,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv
-from .conv_fwd import dot_mode, mma
-from .grid import tap_coords, voxel_coords
-from .splits import split_plan, sum_splits
+from ..lib.indexing import cdiv, tap_coords, voxel_rows
+from ..lib.splits import chunk_range, split_plan, sum_splits
+from .gather import dot_mode, input_coords, mma
 
 
 @triton.jit
@@ -45,7 +41,7 @@ def _conv_wgrad_kernel(
     pid_q = pid // blocks_r
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
-    if FLAT:
+    if FLAT:  # q as one masked dimension: thin inputs such as the RGB stem (Cin < 16)
         offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
         mask_q = offs_q < Q
         c = offs_q % C
@@ -61,29 +57,22 @@ def _conv_wgrad_kernel(
     x_col = c.to(tl.int64) * sxc
 
     acc = tl.zeros((BLOCK_R, BLOCK_Q), dtype=tl.float32)
-    m_start = split * CHUNK
-    m_end = tl.minimum(m_start + CHUNK, M)
+    m_start, m_end = chunk_range(split, CHUNK, M)
     for m0 in range(m_start, m_end, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < m_end
-        nb, od, oh, ow = voxel_coords(offs_m, OD, OH, OW)
-        g_row = (nb.to(tl.int64) * sgn + od.to(tl.int64) * sgd + oh.to(tl.int64) * sgh
-                 + ow.to(tl.int64) * sgw)
+        mask_m, nb, od, oh, ow, g_row = voxel_rows(m0, m_end, OD, OH, OW, sgn, sgd, sgh, sgw, BLOCK_M)
         g = tl.load(g_ptr + g_row[:, None] + offs_r[None, :].to(tl.int64) * sgc,
                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         if FLAT:
-            idd = od[:, None] * SD - PD + kd[None, :] * DD
-            ih = oh[:, None] * SH - PH + kh[None, :] * DH
-            iw = ow[:, None] * SW - PW + kw[None, :] * DW
-            ok = (idd >= 0) & (ih >= 0) & (iw >= 0) & (idd < ID) & (ih < IH) & (iw < IW)
+            idd, ih, iw, ok = input_coords(od[:, None], oh[:, None], ow[:, None], kd[None, :],
+                                           kh[None, :], kw[None, :], ID, IH, IW, SD, SH, SW,
+                                           PD, PH, PW, DD, DH, DW, TRANSPOSED=False)
             ok = ok & mask_m[:, None] & mask_q[None, :]
             x_off = (nb.to(tl.int64)[:, None] * sxn + idd.to(tl.int64) * sxd
                      + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw + x_col[None, :])
         else:
-            idd = od * SD - PD + kd * DD
-            ih = oh * SH - PH + kh * DH
-            iw = ow * SW - PW + kw * DW
-            ok = (idd >= 0) & (ih >= 0) & (iw >= 0) & (idd < ID) & (ih < IH) & (iw < IW) & mask_m
+            idd, ih, iw, ok = input_coords(od, oh, ow, kd, kh, kw, ID, IH, IW, SD, SH, SW,
+                                           PD, PH, PW, DD, DH, DW, TRANSPOSED=False)
+            ok = ok & mask_m
             x_row = (nb.to(tl.int64) * sxn + idd.to(tl.int64) * sxd + ih.to(tl.int64) * sxh
                      + iw.to(tl.int64) * sxw)
             x_off = x_row[:, None] + x_col[None, :]
@@ -115,6 +104,7 @@ def conv_weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, kernel
     blocks_q = cdiv(taps * c, tile.block_n) if flat else taps * cdiv(c, tile.block_n)
     s, per_split = split_plan(g.device, blocks_r * blocks_q, cdiv(m, tile.block_k), r * c * taps)
     chunk = per_split * tile.block_k
+    # With S = 1 the kernel stores the result directly.
     partials = out if s == 1 else torch.empty((s, r * c * taps), device=g.device,
                                               dtype=torch.float32)
     _conv_wgrad_kernel[(blocks_r * blocks_q, s)](

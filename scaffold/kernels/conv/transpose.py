@@ -1,15 +1,14 @@
 """ConvTranspose3d with kernel = stride and no padding, as a pointwise GEMM with a scatter store.
 
-Algorithm: with kernel = stride every output voxel receives exactly one tap of exactly one input
-voxel, so y = X · W is a plain GEMM, fp32 accumulation:
+With kernel = stride every output voxel receives exactly one tap of exactly one input voxel, so
+y = X · W is a plain GEMM, fp32 accumulation:
   m = one input voxel (batch, d, h, w)              M = N*D*H*W
   j = (tap, output channel), j = tap*Cout + co      J = taps*Cout
   k = input channel                                 K = Cin
 and column j of row m is stored (plus bias[co]) at output voxel (d*sd + kd, h*sh + kh, w*sw + kw),
-channel co. Columns run tap-major so a tile's channels land contiguously in an NDHWC output. The
-weight (Cin, Cout, kd, kh, kw) is read in place through its strides. Every output element is written
-exactly once. Backward: grad input is the strided conv of dy with the same weight (conv_fwd's gather,
-kernel = stride, pad 0) and grad weight is conv_bwd_weight with G = x and X = dy.
+channel co. Every output element is written exactly once: no atomics. Backward: grad input is the
+strided conv of dy with the same weight (gather.py, kernel = stride, pad 0) and grad weight is
+weight_grad.py with G = x and X = dy.
 """
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv
-from .conv_fwd import dot_mode, mma
-from .grid import grouped_program, tap_coords, voxel_coords
+from ..lib.indexing import cdiv, tap_coords
+from .gather import dot_mode, mma, voxel_gemm_tile
 
 
 @triton.jit
@@ -35,13 +33,9 @@ def _convT_scatter_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     J = KD * KH * KW * CO
-    pid_m, pid_n = grouped_program(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(J, BLOCK_N), GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_j = offs_j < J
-    nb, idd, ih, iw = voxel_coords(offs_m, ID, IH, IW)
+    mask_m, offs_j, mask_j, nb, idd, ih, iw = voxel_gemm_tile(M, J, ID, IH, IW, BLOCK_M, BLOCK_N,
+                                                              GROUP_M)
+    # Columns run tap-major, so a tile's channels land contiguously in an NDHWC output.
     co = offs_j % CO
     tap = offs_j // CO
     kd, kh, kw = tap_coords(tap, KH, KW)
@@ -71,7 +65,8 @@ def _convT_scatter_kernel(
 
 def conv_transpose_scatter(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, tile,
                            allow_tf32: bool = False) -> torch.Tensor:
-    """y = conv_transpose3d(x, w, bias, stride = kernel) written into `out` (any strides)."""
+    """y = conv_transpose3d(x, w, bias, stride = kernel) written into `out` (any strides). The weight
+    (Cin, Cout, kd, kh, kw) is read in place through its strides."""
     n, c = x.shape[:2]
     co = w.shape[1]
     kd, kh, kw = w.shape[2:]

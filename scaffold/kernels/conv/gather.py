@@ -1,20 +1,13 @@
 """Conv3d forward (and its backward-data) as an implicit GEMM on NDHWC activations.
 
-Algorithm: y[m, n] = sum_k A[m, k] * B[k, n] (+ bias[n]), fp32 accumulation, where
+y[m, n] = sum_k A[m, k] * B[k, n] (+ bias[n]), fp32 accumulation, where
   m = one output voxel (batch, od, oh, ow)   M = N*Do*Ho*Wo
   n = one output channel                     N = Cout
   k = (tap, input channel)                   K = taps*Cin
-A is never materialized (no im2col buffer): for tap (kd, kh, kw) output voxel o reads input voxel
-  i = o*stride - pad + tap*dilation           (direct: the forward)
-  i = (o + pad - tap*dilation) / stride       (TRANSPOSED: only where the division is exact)
-and taps that fall outside the input are masked to zero, which is the padding. The transposed gather
-is the backward-data of a conv: at stride 1 it is exactly the forward with the flipped,
-channel-swapped weight and padding dilation*(k-1)-pad, only the flip lives in the index arithmetic.
-Weights are read in place through five strides (K-channel, N-channel, tap d/h/w), so the backward
-reads the torch weight (Cout, Cin, kd, kh, kw) channel-swapped with no copy.
-Two K orders: channel blocks (one flat loop over (tap, input-channel block)) for Cin >= 16, and
-FLAT (k = tap*Cin + c as one masked dimension) for thin inputs such as the RGB stem, where Cin = 3
-would waste most of a channel block.
+A is never materialized (no im2col buffer): each tap's input voxels are gathered by index arithmetic
+(`input_coords`), and taps outside the input are masked to zero, which is the padding. Run backwards
+(TRANSPOSED), the same gather is the backward-data of a conv. Each output element is the sum of one
+program in a fixed order: no atomics. Activations and weights are read through their strides.
 """
 from __future__ import annotations
 
@@ -22,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv
-from .grid import grouped_program, tap_coords, voxel_coords
+from ..lib.indexing import cdiv, grouped_program, tap_coords, voxel_coords
 
 
 @triton.jit
@@ -35,6 +27,50 @@ def mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def voxel_gemm_tile(M, NCOLS, D, H, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] tile of an [M, NCOLS] GEMM whose rows are the voxels of an
+    (N, D, H, W) grid: the rows' mask, the column offsets and mask, and the rows' voxel coordinates
+    (n, d, h, w). Grouped program order: GROUP_M row blocks share their column blocks while they sit
+    in L2."""
+    pid_m, pid_n = grouped_program(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(NCOLS, BLOCK_N), GROUP_M)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < NCOLS
+    nb, d, h, w = voxel_coords(offs_m, D, H, W)
+    return mask_m, offs_n, mask_n, nb, d, h, w
+
+
+@triton.jit
+def input_coords(od, oh, ow, kd, kh, kw, ID, IH, IW, SD, SH, SW, PD, PH, PW, DD, DH, DW,
+                 TRANSPOSED: tl.constexpr):
+    """(id, ih, iw, ok): the input voxel that output voxel (od, oh, ow) reads for tap (kd, kh, kw),
+    and whether it lies inside the input (broadcasting: voxels along one axis and taps along the
+    other give a [voxels, taps] tile). Direct (the forward): i = o*stride - pad + tap*dilation.
+    TRANSPOSED: i = (o + pad - tap*dilation) / stride, only where the division is exact; this is the
+    backward-data of the direct conv. At stride 1 it is exactly the forward with the flipped,
+    channel-swapped weight and padding dilation*(k-1)-pad, only the flip lives in this arithmetic."""
+    if TRANSPOSED:
+        nd = od + PD - kd * DD
+        nh = oh + PH - kh * DH
+        nw = ow + PW - kw * DW
+        idd = nd // SD
+        ih = nh // SH
+        iw = nw // SW
+        ok = (nd >= 0) & (nh >= 0) & (nw >= 0)
+        ok = ok & (nd - idd * SD == 0) & (nh - ih * SH == 0) & (nw - iw * SW == 0)
+    else:
+        idd = od * SD - PD + kd * DD
+        ih = oh * SH - PH + kh * DH
+        iw = ow * SW - PW + kw * DW
+        ok = (idd >= 0) & (ih >= 0) & (iw >= 0)
+    ok = ok & (idd < ID) & (ih < IH) & (iw < IW)
+    return idd, ih, iw, ok
 
 
 @triton.jit
@@ -51,20 +87,16 @@ def _conv_gather_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped program order: GROUP_M row blocks share their column blocks while they sit in L2.
-    pid_m, pid_n = grouped_program(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(CO, BLOCK_N), GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < CO
-    nb, od, oh, ow = voxel_coords(offs_m, OD, OH, OW)
+    mask_m, offs_n, mask_n, nb, od, oh, ow = voxel_gemm_tile(M, CO, OD, OH, OW, BLOCK_M, BLOCK_N,
+                                                             GROUP_M)
     # int64 voxel offsets: a 256³ activation with 128 channels has more than 2^31 elements.
     x_batch = nb.to(tl.int64) * sxn
     w_cols = offs_n.to(tl.int64) * swn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     if FLAT:
+        # k = tap*Cin + c as one masked dimension: for thin inputs such as the RGB stem, where
+        # Cin = 3 would waste most of a channel block.
         K = KD * KH * KW * C
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -72,21 +104,9 @@ def _conv_gather_kernel(
             c = offs_k % C
             tap = offs_k // C
             kd, kh, kw = tap_coords(tap, KH, KW)
-            if TRANSPOSED:
-                nd = od[:, None] + PD - kd[None, :] * DD
-                nh = oh[:, None] + PH - kh[None, :] * DH
-                nw = ow[:, None] + PW - kw[None, :] * DW
-                idd = nd // SD
-                ih = nh // SH
-                iw = nw // SW
-                ok = (nd >= 0) & (nh >= 0) & (nw >= 0)
-                ok = ok & (nd - idd * SD == 0) & (nh - ih * SH == 0) & (nw - iw * SW == 0)
-            else:
-                idd = od[:, None] * SD - PD + kd[None, :] * DD
-                ih = oh[:, None] * SH - PH + kh[None, :] * DH
-                iw = ow[:, None] * SW - PW + kw[None, :] * DW
-                ok = (idd >= 0) & (ih >= 0) & (iw >= 0)
-            ok = ok & (idd < ID) & (ih < IH) & (iw < IW)
+            idd, ih, iw, ok = input_coords(od[:, None], oh[:, None], ow[:, None], kd[None, :],
+                                           kh[None, :], kw[None, :], ID, IH, IW, SD, SH, SW,
+                                           PD, PH, PW, DD, DH, DW, TRANSPOSED)
             ok = ok & mask_m[:, None] & mask_k[None, :]
             a_off = (x_batch[:, None] + idd.to(tl.int64) * sxd + ih.to(tl.int64) * sxh
                      + iw.to(tl.int64) * sxw + c[None, :].to(tl.int64) * sxc)
@@ -103,21 +123,9 @@ def _conv_gather_kernel(
             tap = it // blocks_c
             c0 = (it - tap * blocks_c) * BLOCK_K
             kd, kh, kw = tap_coords(tap, KH, KW)
-            if TRANSPOSED:
-                nd = od + PD - kd * DD
-                nh = oh + PH - kh * DH
-                nw = ow + PW - kw * DW
-                idd = nd // SD
-                ih = nh // SH
-                iw = nw // SW
-                ok = (nd >= 0) & (nh >= 0) & (nw >= 0)
-                ok = ok & (nd - idd * SD == 0) & (nh - ih * SH == 0) & (nw - iw * SW == 0)
-            else:
-                idd = od * SD - PD + kd * DD
-                ih = oh * SH - PH + kh * DH
-                iw = ow * SW - PW + kw * DW
-                ok = (idd >= 0) & (ih >= 0) & (iw >= 0)
-            ok = ok & (idd < ID) & (ih < IH) & (iw < IW) & mask_m
+            idd, ih, iw, ok = input_coords(od, oh, ow, kd, kh, kw, ID, IH, IW, SD, SH, SW,
+                                           PD, PH, PW, DD, DH, DW, TRANSPOSED)
+            ok = ok & mask_m
             a_row = (x_batch + idd.to(tl.int64) * sxd + ih.to(tl.int64) * sxh
                      + iw.to(tl.int64) * sxw)
             w_tap = kd * swd + kh * swh + kw * sww  # < 2^31: weights are small
@@ -150,13 +158,14 @@ def conv_gather(x: torch.Tensor, w_view: tuple, out: torch.Tensor, bias, kernel:
     """Launch the implicit-GEMM gather conv writing into `out` (N, CO, Do, Ho, Wo), any strides.
 
     w_view = (w, stride_of_K_channel, stride_of_N_channel, stride_d, stride_h, stride_w): the weight
-    tensor and how to walk it, so callers pick the channel roles without copying.
+    tensor and how to walk it, so callers pick the channel roles without copying; the backward-data
+    reads the torch weight (Cout, Cin, kd, kh, kw) channel-swapped this way.
     """
     w, swc, swn, swd, swh, sww = w_view
     n, c = x.shape[:2]
     co = out.shape[1]
     m = n * out.shape[2] * out.shape[3] * out.shape[4]
-    flat = c < 16
+    flat = c < 16  # K order: one flat (tap, channel) dimension, else channel blocks per tap
     grid = (cdiv(m, tile.block_m) * cdiv(co, tile.block_n),)
     _conv_gather_kernel[grid](
         x, w, bias if bias is not None else w, out,

@@ -1,9 +1,9 @@
 """Bias gradient: db[c] = sum over (n, d, h, w) of dy[n, c, d, h, w], deterministic.
 
-Algorithm: the voxels are cut into S contiguous chunks (S a pure function of shape and device); a
-program per (channel block, chunk) accumulates its [BLOCK_M, BLOCK_C] tiles elementwise in fp32,
-reduces the tile once at the end, and writes its partial to slot s; `sum_splits` adds the slots in
-index order. dy is read through its strides (NDHWC or NCDHW alike); no atomics.
+The voxels are cut into S contiguous chunks (S a pure function of shape and device); a program per
+(channel block, chunk) accumulates its [BLOCK_M, BLOCK_C] tiles elementwise in fp32, reduces the tile
+once at the end, and writes its partial to slot s; `sum_splits` adds the slots in index order.
+dy is read through its strides (NDHWC or NCDHW alike); no atomics.
 """
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2
-from .grid import voxel_coords
-from .splits import split_plan, sum_splits
+from ..lib.indexing import cdiv, next_pow2, voxel_rows
+from ..lib.splits import chunk_range, split_plan, sum_splits
 
 
 @triton.jit
@@ -24,14 +23,9 @@ def _bias_grad_kernel(g_ptr, p_ptr, M, C, CHUNK, OD, OH, OW, sgn, sgc, sgd, sgh,
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    m_start = split * CHUNK
-    m_end = tl.minimum(m_start + CHUNK, M)
+    m_start, m_end = chunk_range(split, CHUNK, M)
     for m0 in range(m_start, m_end, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < m_end
-        nb, od, oh, ow = voxel_coords(offs_m, OD, OH, OW)
-        row = (nb.to(tl.int64) * sgn + od.to(tl.int64) * sgd + oh.to(tl.int64) * sgh
-               + ow.to(tl.int64) * sgw)
+        mask_m, _nb, _od, _oh, _ow, row = voxel_rows(m0, m_end, OD, OH, OW, sgn, sgd, sgh, sgw, BLOCK_M)
         acc += tl.load(g_ptr + row[:, None] + offs_c[None, :].to(tl.int64) * sgc,
                        mask=mask_m[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
     total = tl.sum(acc, axis=0)

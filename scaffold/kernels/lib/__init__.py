@@ -1,0 +1,2 @@
+"""Helpers every kernel family uses: the device (`device`), index arithmetic (`indexing`), the [N, S, C]
+view of a 5-D tensor (`layout`), exact dtype conversions (`rounding`) and split reductions (`splits`)."""
