@@ -18,7 +18,7 @@ from scaffold.config import RETIRED_MORE_DETERMINISM, Config, ConfigError, valid
 
 # Keys a resumed run may change: they do not alter what has been computed so far.
 RESUME_MUTABLE = {"epochs", "target_dice", "checkpoint_interval", "progress", "profile", "device",
-                  "data.workers", "data.loader_workers", "data.cache_dir", "warmup_steps", "cuda_graph"}
+                  "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph"}
 
 
 def conf_dir() -> str:
@@ -78,9 +78,6 @@ def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
                 _apply(trial, key, v)
             if trial.resume is None:
                 validate(trial)
-                from scaffold.worker import check_batch, dataset_sizes
-
-                check_batch(trial, dataset_sizes(trial.data)[0])
     out_keys = ("hydra.run.dir", "hydra.sweep.dir")
     for o in parsed:
         if o.key_or_group in out_keys and not o.is_sweep_override():

@@ -42,8 +42,6 @@ class DataConfig:
     directory the command was started from."""
     workers: int = 0
     """Processes generating the dataset; 0 = one per CPU core. The bytes do not depend on it."""
-    loader_workers: int = 0
-    """DataLoader worker processes reading masks from the HDF5 file (0 = read in the main process)."""
 
 
 @dataclass
@@ -74,7 +72,7 @@ class OptimConfig:
 class LadderConfig:
     conv: str = "auto"
     """Rung for Conv3d sites: auto | routed | triton | vendor (auto on CUDA = routed: each direction
-    on Triton or deterministic cuDNN per measured shape, see scaffold/kernels/routes.py)."""
+    on Triton or deterministic cuDNN per measured shape, see scaffold/model/routes.py)."""
     conv_transpose: str = "auto"
     """Rung for ConvTranspose3d sites: auto | routed | triton | vendor."""
     group_norm: str = "auto"
@@ -130,8 +128,6 @@ class Config:
     ladder: LadderConfig = field(default_factory=LadderConfig)
 
 
-RUNGS = ("auto", "triton", "vendor")
-CONV_RUNGS = ("auto", "routed", "triton", "vendor")  # routed: per-direction routes (kernels/routes.py)
 DETERMINISM_MODES = ("default", "strict", "off")
 PRECISIONS = ("auto", "bf16", "fp32")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
@@ -158,13 +154,30 @@ def validate_data(data: Any, scale: int) -> None:
     _need(0 < data.variance_threshold < 1 / 3, "data.variance_threshold", "a number in (0, 1/3)",
           data.variance_threshold)
     _need(data.workers >= 0, "data.workers", "an integer >= 0 (0 = one per core)", data.workers)
-    _need(data.loader_workers >= 0, "data.loader_workers", "an integer >= 0", data.loader_workers)
 
 
-def widths(cfg: Any) -> list[int]:
-    """Channel widths of the U-Net levels, from the stem down to the bottleneck."""
-    levels = cfg.scale - cfg.model.bottleneck
-    return [cfg.model.base_width * 2**i for i in range(levels + 1)]
+def check_model(scale: int, bottleneck: int, base_width: int, groups: int) -> list[int]:
+    """The U-Net's channel widths from the stem down to the bottleneck; ConfigError naming the key
+    when the shape keys cannot build one (used by `validate` and by UNet3d itself)."""
+    _need(isinstance(bottleneck, int) and bottleneck >= 0, "model.bottleneck", "an integer >= 0",
+          bottleneck)
+    _need(isinstance(scale, int) and scale > bottleneck, "scale",
+          f"greater than model.bottleneck ({bottleneck})", scale)
+    _need(isinstance(base_width, int) and base_width > 0, "model.base_width", "a positive integer",
+          base_width)
+    _need(isinstance(groups, int) and groups > 0, "model.groups", "a positive integer", groups)
+    widths = [base_width * 2**i for i in range(scale - bottleneck + 1)]
+    _need(all(w % groups == 0 for w in widths), "model.groups", f"a divisor of every width {widths}",
+          groups)
+    return widths
+
+
+def dataset_sizes(data: Any) -> tuple[int, int]:
+    """(n_train, n_val) that a data config will produce, without generating anything."""
+    from scaffold.data.volumes import split_sizes
+
+    n_volumes = data.n_categories * (data.n_instances // data.fractals_per_volume)
+    return split_sizes(n_volumes, float(data.val_fraction))
 
 
 def validate(cfg: Any) -> None:
@@ -173,13 +186,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError(RETIRED_MORE_DETERMINISM)
     validate_data(cfg.data, cfg.scale)
     m = cfg.model
-    _need(m.bottleneck >= 0, "model.bottleneck", "an integer >= 0", m.bottleneck)
-    _need(cfg.scale > m.bottleneck, "scale", f"greater than model.bottleneck ({m.bottleneck})",
-          cfg.scale)
-    _need(m.base_width > 0, "model.base_width", "a positive integer", m.base_width)
-    _need(m.groups > 0, "model.groups", "a positive integer", m.groups)
-    bad = [w for w in widths(cfg) if w % m.groups]
-    _need(not bad, "model.groups", f"a divisor of every width {widths(cfg)}", m.groups)
+    check_model(cfg.scale, m.bottleneck, m.base_width, m.groups)
     _need(cfg.epochs == -1 or cfg.epochs > 0, "epochs", "a positive integer or -1 (until converged)",
           cfg.epochs)
     _need(cfg.batch_size > 0, "batch_size", "a positive integer", cfg.batch_size)
@@ -192,15 +199,22 @@ def validate(cfg: Any) -> None:
     _need(dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:"), "device",
           "auto | cpu | cuda | cuda:N", cfg.device)
     _need(cfg.cuda_graph in CUDA_GRAPH_MODES, "cuda_graph", " | ".join(CUDA_GRAPH_MODES), cfg.cuda_graph)
-    _need(not (cfg.cuda_graph == "on" and dev == "cpu"), "cuda_graph",
-          "auto or off with device=cpu (CUDA graphs need a CUDA device)", cfg.cuda_graph)
+    if dev == "cpu":  # known before any work: the step's own rule says whether a graph can run
+        import torch
+
+        from scaffold.step import wants_graph
+
+        wants_graph(cfg.cuda_graph, torch.device("cpu"), 1)
     _need(cfg.checkpoint_interval >= 0, "checkpoint_interval", "an integer >= 0",
           cfg.checkpoint_interval)
     _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)
-    for key in ("conv", "conv_transpose", "group_norm", "concat", "pool", "loss"):
+    from scaffold.model.policy import OPS, settings  # the allowed rungs are the registered ones
+
+    for key in OPS:
         value = getattr(cfg.ladder, key)
-        allowed = CONV_RUNGS if key in ("conv", "conv_transpose") else RUNGS
-        _need(value in allowed, f"ladder.{key}", " | ".join(allowed), value)
+        _need(value in settings(key), f"ladder.{key}", " | ".join(settings(key)), value)
+    n_train = dataset_sizes(cfg.data)[0]
+    _need(cfg.batch_size <= n_train, "batch_size", f"at most the {n_train} training volumes", cfg.batch_size)
     o = cfg.optim
     _need(o.grad_clip >= 0, "optim.grad_clip", "a number >= 0 (0 disables)", o.grad_clip)
     _need(o.t0 > 0, "optim.t0", "a positive integer", o.t0)

@@ -26,6 +26,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from scaffold.model.ladder import LadderSite
+from scaffold.model.policy import LossCall
+
 EPS = 1e-6
 
 
@@ -69,20 +72,21 @@ def check_labels(labels: torch.Tensor, n_classes: int) -> None:
                          f"found [{lo}, {hi}]")
 
 
-class SegmentationLoss(nn.Module):
+class SegmentationLoss(LadderSite, nn.Module):
     """CE + (1 − soft Dice) with fixed class weights (a buffer, moved with the module).
 
-    `rung` picks the implementation of `terms`, like the model's ladder: `auto` runs the fused Triton
-    kernel (scaffold/kernels/seg_loss.py: one pass forward, one backward, fixed-order sums) on CUDA where
-    it supports the call and the eager form below elsewhere; `triton` forces the kernel where supported
-    (the CPU interpreter in tests); `vendor` always runs the eager form. Both are deterministic; they sum
-    in different orders, so their bits differ."""
+    A ladder site of kind `loss` (`ladder.loss`): the `triton` rung is the fused kernel
+    (scaffold/kernels/seg_loss.py: one pass forward, one backward, fixed-order sums), what `auto` runs
+    on CUDA where it supports the call; `vendor` is the eager form below. Both are deterministic; they
+    sum in different orders, so their bits differ."""
+
+    op = "loss"
 
     def __init__(self, weights: torch.Tensor | Sequence[float], eps: float = EPS, rung: str = "auto"):
         super().__init__()
-        if rung not in ("auto", "triton", "vendor"):
-            raise ValueError(f"ladder.loss={rung!r}: expected auto | triton | vendor")
-        self.rung = rung
+        self._init_site()
+        self.ladder_setting = rung
+        self.ladder_name = "loss"
         w = torch.as_tensor(weights, dtype=torch.float32).detach().clone()
         if w.dim() != 1 or w.numel() < 2 or not bool(torch.isfinite(w).all() and (w > 0).all()):
             raise ValueError(f"loss weights: expected >= 2 finite positive values, got {w.tolist()}")
@@ -119,22 +123,12 @@ class SegmentationLoss(nn.Module):
         dice = (2 * inter + self.eps) / (p.sum(dims) + present + self.eps)
         return torch.where(present > 0, dice, torch.ones_like(dice)).mean(1)
 
-    def _fused(self, logits: torch.Tensor, labels: torch.Tensor):
-        """The Triton kernel's module when it should run this call, else None (metadata only)."""
-        if self.rung == "vendor" or (self.rung == "auto" and not logits.is_cuda):
-            return None
-        try:
-            from scaffold.kernels import seg_loss
-        except Exception:  # no usable Triton: the eager form
-            return None
-        return seg_loss if seg_loss.seg_loss_supported(logits, labels, self.weight) else None
-
     def terms(self, logits: torch.Tensor, labels: torch.Tensor):
-        """(loss, ce, soft Dice per sample (N,)), all fp32 device tensors."""
-        fused = self._fused(logits, labels)
-        if fused is not None:
-            check_shapes(logits, labels, self.n_classes)
-            return fused.seg_loss_terms(logits, labels, self.weight, self.eps)
+        """(loss, ce, soft Dice per sample (N,)), all fp32 device tensors, on the rung the policy picks."""
+        check_shapes(logits, labels, self.n_classes)
+        return self._run(LossCall(logits, labels, self.weight, self.eps), lambda: self._eager(logits, labels))
+
+    def _eager(self, logits: torch.Tensor, labels: torch.Tensor):
         nll, wy, p, target = self._voxel_terms(logits, labels)
         ce = nll.sum() / wy.sum()
         dice = self._dice(p, target)

@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from scaffold.kernels import conv as K
-from scaffold.kernels.common import triton_usable
+from scaffold.model import conv as C
+from scaffold.model import policy as P
+from scaffold.kernels.lib.device import triton_usable
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if not triton_usable(torch.empty(0, device=DEV)):
@@ -34,7 +36,7 @@ def test_conv3d_autograd_matches_torch():
     x, w, b = leaves(gen, (1, 5, 4, 3, 5), (6, 5, 3, 3, 3), (6,))
     dy = torch.randn(1, 6, 4, 3, 5, generator=gen).to(DEV)
     geom = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
-    y, g = grads_of(lambda *a: K.conv3d(*a, *geom), (x, w, b), dy)
+    y, g = grads_of(lambda *a: C.conv3d(*a, *geom), (x, w, b), dy)
     y_ref, g_ref = grads_of(lambda *a: F.conv3d(*a, *geom), (x, w, b), dy)
     assert y.is_contiguous(memory_format=CL)
     assert close(y, y_ref, 1e-5)
@@ -48,7 +50,7 @@ def test_conv_transpose3d_autograd_matches_torch():
     x, w, b = leaves(gen, (2, 4, 2, 3, 2), (4, 3, 2, 2, 2), (3,))
     x2 = x.detach().contiguous(memory_format=CL).requires_grad_()
     dy = torch.randn(2, 3, 4, 6, 4, generator=gen).to(DEV)
-    y, g = grads_of(lambda *a: K.conv_transpose3d(*a, (2, 2, 2)), (x2, w, b), dy)
+    y, g = grads_of(lambda *a: C.conv_transpose3d(*a, (2, 2, 2)), (x2, w, b), dy)
     y_ref, g_ref = grads_of(lambda *a: F.conv_transpose3d(*a, stride=2), (x, w, b), dy)
     assert y.is_contiguous(memory_format=CL)
     assert close(y, y_ref, 1e-5)
@@ -62,7 +64,7 @@ def test_conv3d_follows_autocast_like_vendor():
     x, w, b = leaves(gen, (1, 3, 3, 5, 4), (6, 3, 1, 1, 1), (6,))
     geom = ((1, 1, 1), (0, 0, 0), (1, 1, 1))
     with torch.autocast(DEV.type, dtype=torch.bfloat16):
-        y = K.conv3d(x, w, b, *geom)
+        y = C.conv3d(x, w, b, *geom)
         y_ref = F.conv3d(x, w, b, *geom)
     assert y.dtype == y_ref.dtype == torch.bfloat16
     y.float().sum().backward()
@@ -74,7 +76,7 @@ def test_conv_transpose3d_follows_autocast():
     gen = torch.Generator().manual_seed(3)
     x, w, b = leaves(gen, (1, 4, 2, 2, 2), (4, 3, 2, 2, 2), (3,))
     with torch.autocast(DEV.type, dtype=torch.bfloat16):
-        y = K.conv_transpose3d(x, w, b, (2, 2, 2))
+        y = C.conv_transpose3d(x, w, b, (2, 2, 2))
         y_ref = F.conv_transpose3d(x, w, b, stride=2)
     assert y.dtype == y_ref.dtype == torch.bfloat16
     assert close(y, y_ref, 1e-2)
@@ -101,7 +103,7 @@ def test_supported_predicates():
 def test_conv_transpose3d_rejects_kernel_not_stride():
     x = torch.zeros(1, 4, 2, 2, 2, device=DEV)
     with pytest.raises(ValueError, match="kernel .* must equal stride"):
-        K.conv_transpose3d(x, torch.zeros(4, 3, 3, 3, 3, device=DEV), None, (2, 2, 2))
+        C.conv_transpose3d(x, torch.zeros(4, 3, 3, 3, 3, device=DEV), None, (2, 2, 2))
 
 
 ROUTES = [(f, d, w) for f in (True, False) for d in (True, False) for w in (True, False)]
@@ -131,7 +133,7 @@ def test_conv3d_route_runs_each_direction_where_it_says(route, monkeypatch):
     x, w, b = leaves(gen, (1, 4, 3, 4, 5), (8, 4, 3, 3, 3), (8,))
     dy = torch.randn(1, 8, 3, 4, 5, generator=gen).to(DEV)
     geom = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
-    y, g = grads_of(lambda *a: K.conv3d(*a, *geom, route=route), (x, w, b), dy)
+    y, g = grads_of(lambda *a: C.conv3d(*a, *geom, route=route), (x, w, b), dy)
     y_ref, g_ref = grads_of(lambda *a: F.conv3d(*a, *geom), (x, w, b), dy)
     assert close(y, y_ref, 1e-5)
     for name, a, r in zip(("dx", "dw", "db"), g, g_ref):
@@ -148,7 +150,7 @@ def test_conv_transpose3d_route_runs_each_direction_where_it_says(route, monkeyp
     gen = torch.Generator().manual_seed(5)
     x, w, b = leaves(gen, (1, 8, 2, 3, 2), (8, 4, 2, 2, 2), (4,))
     dy = torch.randn(1, 4, 4, 6, 4, generator=gen).to(DEV)
-    y, g = grads_of(lambda *a: K.conv_transpose3d(*a, (2, 2, 2), route=route), (x, w, b), dy)
+    y, g = grads_of(lambda *a: C.conv_transpose3d(*a, (2, 2, 2), route=route), (x, w, b), dy)
     y_ref, g_ref = grads_of(lambda *a: F.conv_transpose3d(*a, stride=2), (x, w, b), dy)
     assert close(y, y_ref, 1e-5)
     for name, a, r in zip(("dx", "dw", "db"), g, g_ref):
@@ -159,25 +161,26 @@ def test_conv_transpose3d_route_runs_each_direction_where_it_says(route, monkeyp
                      "conv_transpose3d_backward_weight": int(route[2])}
 
 
-def test_routed_entry_points_follow_the_table(monkeypatch):
-    """conv3d_routed looks its shape up in ROUTES (autocast's dtype under autocast): a listed shape runs
-    the listed directions on Triton; the `supports` predicates refuse unlisted and all-vendor shapes."""
-    from scaffold.kernels import routes
+def test_routed_rung_follows_the_table(monkeypatch):
+    """The `routed` rung looks its shape up in ROUTES (autocast's dtype under autocast): a listed shape
+    runs the listed directions on Triton; it refuses unlisted and all-vendor shapes."""
+    from scaffold.model import routes
 
     calls = _spy(monkeypatch, ["conv3d_forward", "conv3d_backward_data", "conv3d_backward_weight"])
     gen = torch.Generator().manual_seed(6)
     x, w = leaves(gen, (1, 8, 4, 4, 4), (8, 8, 3, 3, 3))
     one = (1, 1, 1)
-    args = (x, w, None, one, one, one, 1)
+    call = P.ConvCall(x, w, None, one, one, one, 1)
+    routed = P.rung("conv", "routed")
     monkeypatch.setattr(routes, "ROUTES", {})
-    assert not K.conv3d_routed_supported(*args)
+    assert not routed.supports(call)
     key = routes.route_key(routes.arch_key(DEV), torch.float32, "conv", 8, 8, (3, 3, 3), one, one, one,
                            (4, 4, 4))
     routes.ROUTES[key] = ("vendor", "vendor", "vendor")
-    assert not K.conv3d_routed_supported(*args)
+    assert not routed.supports(call)
     routes.ROUTES[key] = ("vendor", "triton", "vendor")
-    assert K.conv3d_routed_supported(*args)
+    assert routed.supports(call)
     with torch.autocast(DEV.type, dtype=torch.bfloat16):
-        assert not K.conv3d_routed_supported(*args)  # the bf16 key is not listed
-    K.conv3d_routed(x, w, None, one, one, one).sum().backward()
+        assert not routed.supports(call)  # the bf16 key is not listed
+    routed.forward(call).sum().backward()
     assert calls == {"conv3d_forward": 0, "conv3d_backward_data": 1, "conv3d_backward_weight": 0}

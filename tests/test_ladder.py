@@ -9,38 +9,40 @@ import torch.nn.functional as F
 from scaffold.config import ConfigError, LadderConfig
 from scaffold.model import UNet3d, census, format_census, set_ladder
 from scaffold.model import ladder as L
+from scaffold.model import policy as P
 
 
 @pytest.fixture
 def fake_rungs():
     """Registers fake 'triton' rungs that compute the vendor result; restores the real ones after.
     `calls` counts calls per kind; `supports`/`fail` are per-kind switches the test may change."""
-    state = {"calls": {op: 0 for op in L.OPS}, "supports": {op: (lambda *a: True) for op in L.OPS},
+    ops = [op for op in P.OPS if op != "loss"]  # the model's kinds (the loss head has its own tests)
+    state = {"calls": {op: 0 for op in ops}, "supports": {op: (lambda c: True) for op in ops},
              "fail": set()}
     vendor = {
-        "conv": lambda x, w, b, s, p, d, g: F.conv3d(x, w, b, s, p, d, g),
-        "conv_transpose": lambda x, w, b, s, p, op, g, d: F.conv_transpose3d(x, w, b, s, p, op, g, d),
-        "group_norm": lambda x, g, w, b, eps, relu, out_dtype: (F.relu if relu else (lambda t: t))(
-            F.group_norm(x, g, w, b, eps)).to(out_dtype or x.dtype),
-        "concat": lambda a, b, dtype: torch.cat([a, b], 1),
-        "pool": lambda x: F.max_pool3d(x, 2),
+        "conv": lambda c: F.conv3d(*c),
+        "conv_transpose": lambda c: F.conv_transpose3d(*c),
+        "group_norm": lambda c: (F.relu if c.relu else (lambda t: t))(
+            F.group_norm(c.x, c.num_groups, c.weight, c.bias, c.eps)).to(c.out_dtype or c.x.dtype),
+        "concat": lambda c: torch.cat([c.a, c.b], 1),
+        "pool": lambda c: F.max_pool3d(c.x, 2),
     }
     saved = {}
-    for op in L.OPS:
-        def forward(*args, op=op):
+    for op in ops:
+        def forward(call, op=op):
             state["calls"][op] += 1
             if op in state["fail"]:
                 raise RuntimeError(f"fake {op} compile failure\nsecond line")
-            return vendor[op](*args) * 1
+            return vendor[op](call) * 1
 
-        saved[op] = L.register_rung(op, "triton", lambda *a, op=op: state["supports"][op](*a), forward)
+        saved[op] = P.register_rung(op, "triton", lambda c, op=op: state["supports"][op](c), forward)
     try:
         yield state
     finally:
         for op, rung in saved.items():
-            L.unregister_rung(op, "triton")
+            P.unregister_rung(op, "triton")
             if rung is not None:
-                L.register_rung(op, "triton", rung.supports, rung.forward)
+                P.register_rung(op, "triton", rung.supports, rung.forward)
 
 
 def _model(ladder=None):
@@ -78,13 +80,13 @@ def test_forced_triton_runs_the_rung_and_matches_vendor(fake_rungs):
 
 def test_vendor_setting_never_asks_the_rung(fake_rungs):
     asked = []
-    fake_rungs["supports"]["conv"] = lambda *a: asked.append(1) or True
+    fake_rungs["supports"]["conv"] = lambda c: asked.append(1) or True
     _model(LadderConfig("vendor", "triton", "triton"))(X)
     assert asked == [] and fake_rungs["calls"]["conv"] == 0
 
 
 def test_forced_but_unsupported_warns_once_per_module(fake_rungs):
-    fake_rungs["supports"]["conv"] = lambda x, w, *rest: w.shape[1] != 3  # no stem (Cin = 3)
+    fake_rungs["supports"]["conv"] = lambda c: c.weight.shape[1] != 3  # no stem (Cin = 3)
     model = _model(LadderConfig(conv="triton"))
     with pytest.warns(L.LadderWarning, match=r"inc\.conv1 \(conv\).*does not support") as record:
         model(X)
@@ -117,59 +119,68 @@ def test_failing_rung_warns_once_falls_back_and_is_recorded(fake_rungs):
 def test_select_rung_is_a_pure_function_of_device_and_metadata(fake_rungs, monkeypatch):
     x = torch.empty(1, 8, 4, 4, 4, device="meta")
     w = torch.empty(8, 8, 3, 3, 3, device="meta")
-    args = (x, w, None, (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
-    cuda = torch.device("cuda")
+    one = (1, 1, 1)
+    call = P.ConvCall(x, w, None, one, one, one, 1)
+    on_cuda = call  # a meta tensor stands in for a CUDA one through the patched device check
+    monkeypatch.setattr(P, "_on_cuda", lambda t: True)
     # `auto` runs the kind's AUTO_RUNG on CUDA: `routed` for convolutions, `triton` for the others.
-    assert L.AUTO_RUNG["conv"] == "routed" and L.AUTO_RUNG["group_norm"] == "triton"
-    monkeypatch.setitem(L.AUTO_RUNG, "conv", "triton")
-    assert L.select_rung("conv", "auto", cuda, args) == "triton"
-    monkeypatch.setitem(L.AUTO_RUNG, "conv", None)
-    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
-    monkeypatch.setitem(L.AUTO_RUNG, "conv", "triton")
-    assert L.select_rung("conv", "auto", torch.device("cpu"), args) == "vendor"
-    assert L.select_rung("conv", "triton", torch.device("cpu"), args) == "triton"
-    assert L.select_rung("conv", "vendor", cuda, args) == "vendor"
-    fake_rungs["supports"]["conv"] = lambda x, *rest: x.dtype == torch.bfloat16
-    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
-    L.unregister_rung("conv", "triton")
-    assert L.select_rung("conv", "triton", cuda, args) == "vendor"
+    assert P.AUTO_RUNG["conv"] == "routed" and P.AUTO_RUNG["group_norm"] == "triton"
+    monkeypatch.setitem(P.AUTO_RUNG, "conv", "triton")
+    assert P.select_rung("conv", "auto", on_cuda) == "triton"
+    monkeypatch.setattr(P, "_on_cuda", lambda t: False)
+    assert P.select_rung("conv", "auto", call) == "vendor"
+    assert P.select_rung("conv", "triton", call) == "triton"
+    monkeypatch.setattr(P, "_on_cuda", lambda t: True)
+    assert P.select_rung("conv", "vendor", on_cuda) == "vendor"
+    fake_rungs["supports"]["conv"] = lambda c: c.x.dtype == torch.bfloat16
+    assert P.select_rung("conv", "auto", on_cuda) == "vendor"
+    P.unregister_rung("conv", "triton")
+    assert P.select_rung("conv", "triton", on_cuda) == "vendor"
 
 
 def test_auto_routes_convolutions_only_where_a_measured_route_takes_triton(monkeypatch):
     """The real `routed` rung: a shape without a route stays vendor under auto; one whose route sends
     a direction to Triton takes `routed`; a route that is all vendor is plain vendor."""
-    from scaffold.kernels import routes
+    from scaffold.model import routes
 
     x = torch.empty(1, 8, 4, 4, 4, device="meta", dtype=torch.bfloat16)
     w = torch.empty(16, 8, 3, 3, 3, device="meta", dtype=torch.bfloat16)
-    args = (x, w, None, (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
-    cuda = torch.device("cuda")
+    one = (1, 1, 1)
+    call = P.ConvCall(x, w, None, one, one, one, 1)
+    monkeypatch.setattr(P, "_on_cuda", lambda t: True)  # meta tensors stand in for CUDA ones
     monkeypatch.setattr(routes, "ROUTES", {})
-    monkeypatch.setattr("scaffold.kernels.conv.triton_usable", lambda t: True)  # meta tensors
-    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
+    monkeypatch.setattr("scaffold.kernels.conv.directions.triton_usable", lambda t: True)
+    assert P.select_rung("conv", "auto", call) == "vendor"
     key = routes.route_key("cpu", torch.bfloat16, "conv", 8, 16, (3, 3, 3), (1,) * 3, (1,) * 3, (1,) * 3,
                            (4, 4, 4))
     assert key == "cpu|bf16|conv|8>16|k3s1p1d1|4x4x4"
     routes.ROUTES[key] = ("vendor", "vendor", "vendor")
-    assert L.select_rung("conv", "auto", cuda, args) == "vendor"
+    assert P.select_rung("conv", "auto", call) == "vendor"
     routes.ROUTES[key] = ("triton", "vendor", "vendor")
-    assert L.select_rung("conv", "auto", cuda, args) == "routed"
-    assert L.select_rung("conv", "auto", cuda, (x[..., :3],) + args[1:]) == "vendor"  # other shape
+    assert P.select_rung("conv", "auto", call) == "routed"
+    assert P.select_rung("conv", "auto", call._replace(x=x[..., :3])) == "vendor"  # other shape
 
 
 def test_missing_kernel_module_makes_the_rung_unavailable():
-    rung = L._lazy_rung("scaffold.kernels.no_such_kernel", "f", "f_supported", lambda a: a, lambda a: a)
     with pytest.warns(L.LadderWarning, match="unavailable.*no_such_kernel"):
-        assert rung.supports(torch.zeros(1)) is False
+        assert P._supported("scaffold.kernels.no_such_kernel", "f_supported", torch.zeros(1)) is False
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert rung.supports(torch.zeros(1)) is False  # warned once, at the failed import
+        warnings.simplefilter("error")  # warned once, at the failed import
+        assert P._supported("scaffold.kernels.no_such_kernel", "f_supported", torch.zeros(1)) is False
 
 
-def test_set_ladder_rejects_unknown_settings_naming_the_key():
-    model = _model()
-    with pytest.raises(ConfigError, match=r"^ladder\.conv_transpose='fast': expected "):
-        set_ladder(model, LadderConfig(conv_transpose="fast"))
+def test_config_rejects_unknown_rungs_naming_the_key_and_accepts_registered_ones(fake_rungs):
+    from scaffold.config import Config, validate
+
+    cfg = Config()
+    cfg.ladder.conv_transpose = "fast"
+    with pytest.raises(ConfigError, match=r"^ladder\.conv_transpose='fast': expected auto \| routed \| "):
+        validate(cfg)
+    P.register_rung("conv_transpose", "fast", lambda c: True, lambda c: F.conv_transpose3d(*c))
+    try:
+        validate(cfg)  # a registered rung is a valid setting
+    finally:
+        P.unregister_rung("conv_transpose", "fast")
 
 
 def test_concat_has_its_own_setting():
@@ -199,7 +210,7 @@ def test_forward_paths_have_no_host_reads():
     from scaffold.model import blocks, pool, unet
 
     host_reads = re.compile(r"\.(item|tolist|cpu|numpy)\(|nonzero|unique|(?<![\w.])(bool|float|int)\(")
-    fns = [L.select_rung, L.LadderSite._run, L.FastConv3d.forward, L.FastConvTranspose3d.forward,
+    fns = [P.select_rung, L.LadderSite._run, L.FastConv3d.forward, L.FastConvTranspose3d.forward,
            L.FastGroupNorm.forward, L.FastGroupNorm._vendor, L.FastConcat.forward, L.FastMaxPool2.forward,
            pool.max_pool2,
            pool._MaxPool2.forward, pool._MaxPool2.backward, blocks.DoubleConv.forward, blocks.Up.forward,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from scaffold import loss as loss_module
 from scaffold import metrics
 from scaffold.loss import SegmentationLoss, check_labels, class_weights
+from scaffold.model import census
 
 
 def reference_loss(logits, labels, weight, eps=1e-6):
@@ -211,7 +212,6 @@ def test_triton_rung_of_the_loss_matches_the_eager_form():
     labels = torch.randint(0, 6, (2, 3, 5, 4), generator=g)
     weights = torch.tensor([0.5, 2.0, 2.0, 2.0, 2.0, 2.0])
     fused, eager = SegmentationLoss(weights, rung="triton"), SegmentationLoss(weights, rung="vendor")
-    assert fused._fused(logits, labels) is not None and eager._fused(logits, labels) is None
     out_f = fused.terms(logits, labels)
     (gf,) = torch.autograd.grad(out_f[0], logits)
     out_e = eager.terms(logits, labels)
@@ -219,4 +219,8 @@ def test_triton_rung_of_the_loss_matches_the_eager_form():
     for a, b in zip(out_f, out_e):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gf, ge, rtol=1e-5, atol=1e-7)
-    assert SegmentationLoss(weights)._fused(logits, labels) is None  # auto on the CPU: the eager form
+    auto = SegmentationLoss(weights)
+    auto.terms(logits, labels)
+    # The loss head is a ladder site in the census: auto on the CPU runs the eager form.
+    assert census(fused)["loss"] == {"triton": 1} and census(eager)["loss"] == {"vendor": 1}
+    assert census(auto)["loss"] == {"vendor": 1} and census(auto)["modules"] == {"loss": "vendor"}

@@ -112,14 +112,14 @@ class StockUNet(nn.Module):
         self.outc = nn.Conv3d(width, classes, 1)
 
     def forward(self, x):
-        skips = []
-        x = self.inc(x)
-        for down in self.downs:
-            skips.append(x)
-            x = down(x)
-        for up in self.ups:
-            x = up(x, skips.pop())
-        return self.outc(x)
+        return self.outc(self._level(self.inc(x), 0))
+
+    def _level(self, x, i):
+        """The U below level i, written recursively (the model itself loops): down, the levels
+        below, then up with level i's activation as the skip."""
+        if i == len(self.downs):
+            return x
+        return self.ups[len(self.downs) - 1 - i](self._level(self.downs[i](x), i + 1), x)
 
 
 def test_state_dicts_load_both_ways_and_outputs_are_equal():

@@ -1,167 +1,25 @@
-"""The ladder: drop-in torch modules whose every call runs on one rung, chosen without timing.
+"""The ladder: drop-in torch modules whose every call runs on one rung that scaffold.model.policy picks.
 
-A *rung* is one implementation of an operator kind (`conv`, `conv_transpose`, `group_norm`, `concat`,
-`pool`):
-`vendor` is torch's own op (cuDNN / MIOpen / the CPU kernels) and is always there; `triton` is ours,
-loaded lazily from `scaffold.kernels` so that a missing or broken kernel module only makes the rung
-unavailable. Other rungs can be registered (the tests register fakes).
-
-Which rung a call takes is a pure function of (device, dtype, shape, config): `select_rung`. It never
-depends on a timing race, so the bits a run produces do not depend on it either. Settings per kind:
-  auto   - on CUDA the kind's AUTO_RUNG when it is registered and supports the call, else vendor (on the
-           CPU auto is always vendor: the Triton interpreter is for tests, which force a rung). That is
-           `triton` for GroupNorm, concat and the max pool, and `routed` for the convolutions: per
-           measured shape, each direction on whichever of Triton and deterministic cuDNN was faster
-  triton - `triton` where supported, vendor otherwise (a module warns once when it cannot honour this)
-  routed - (convolutions) the per-direction routes, also on the CPU under the interpreter
-  vendor - always vendor
-A rung that raises (typically a compile failure) makes its module warn once, switch to vendor for good
-and record the failure; the call is re-run on vendor.
-
-Contract for a rung: `supports(*args) -> bool` decides from metadata only (no host sync); `forward(*args)`
-is autograd-aware and receives the tensors exactly as the module's forward gets them, so under autocast
-it must cast like autocast would and return the dtype vendor returns (bf16 for convolutions, fp32 for
-GroupNorm). The one exception is `concat`, which is given the consumer's compute dtype and writes both
-halves in it: the consumer (a convolution) would cast the vendor result to that dtype anyway.
-Argument tuples per kind (the same for `supports` and `forward`):
-  conv:           (x, weight, bias, stride, padding, dilation, groups)
-  conv_transpose: (x, weight, bias, stride, padding, output_padding, groups, dilation)
-  group_norm:     (x, num_groups, weight, bias, eps, relu, out_dtype)   out_dtype None = as F.group_norm
-  concat:         (a, b, dtype)                 -> cat([a, b], dim=1)
-  pool:           (x,)                          -> the 2×2×2 max pool (scaffold.model.pool.max_pool2)
-
-The census (`census`, `format_census`) says which rung every module ran and which ones fell back.
+`FastConv3d`, `FastConvTranspose3d`, `FastGroupNorm`, `FastConcat` and `FastMaxPool2` (and the loss head,
+scaffold.loss.SegmentationLoss) are *sites*: each builds its kind's call (policy.ConvCall, ...), asks the
+policy for a rung, and runs it. A rung that raises (typically a compile failure) makes its site warn
+once, switch to vendor for good and record the failure; the call is re-run on vendor. The modules keep
+torch's parameters and state-dict keys, and their ladder state is plain attributes, outside the state
+dict. The census (`census`, `format_census`) says which rung every site ran and which fell back.
 """
 from __future__ import annotations
 
-import importlib
-import json
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scaffold.config import ConfigError
+from scaffold.model import policy
+from scaffold.model.policy import (AUTO, OPS, VENDOR, ConcatCall, ConvCall, ConvTransposeCall, GroupNormCall,
+                                   LadderWarning, PoolCall)
 from scaffold.model.pool import max_pool2
-
-OPS = ("conv", "conv_transpose", "group_norm", "concat", "pool")
-VENDOR = "vendor"
-AUTO = "auto"
-FAST = "triton"
-
-
-class LadderWarning(UserWarning):
-    """A module could not run the rung it was asked for (unsupported call or a failing rung)."""
-
-
-@dataclass(frozen=True)
-class Rung:
-    supports: Callable[..., bool]
-    forward: Callable[..., torch.Tensor]
-
-
-_REGISTRY: dict[str, dict[str, Rung]] = {op: {} for op in OPS}
-
-
-def register_rung(op: str, name: str, supports: Callable[..., bool],
-                  forward: Callable[..., torch.Tensor]) -> Optional[Rung]:
-    """Adds (or replaces) rung `name` for operator kind `op`; returns the rung it replaced, if any."""
-    if op not in OPS:
-        raise ValueError(f"op={op!r}: expected one of {', '.join(OPS)}")
-    if name in (VENDOR, AUTO):
-        raise ValueError(f"rung name {name!r} is reserved")
-    previous = _REGISTRY[op].get(name)
-    _REGISTRY[op][name] = Rung(supports, forward)
-    return previous
-
-
-def unregister_rung(op: str, name: str) -> Optional[Rung]:
-    """Removes rung `name` of kind `op`; returns it (None when it was not registered)."""
-    return _REGISTRY[op].pop(name, None)
-
-
-def get_rung(op: str, name: str) -> Optional[Rung]:
-    return _REGISTRY[op].get(name)
-
-
-# The rung `auto` takes on CUDA, per operator kind (None: vendor). This follows the measurements in
-# docs/performance.md: our GroupNorm and concat kernels beat ATen; for convolutions neither side wins
-# every site and direction, so `auto` runs `routed`: per measured shape, each of forward,
-# backward-data and backward-weight on whichever of Triton and deterministic cuDNN was faster
-# (scaffold/kernels/routes.py); unmeasured shapes stay on vendor. `ladder.conv=triton` forces the
-# Triton kernels for every direction.
-ROUTED = "routed"
-AUTO_RUNG = {"conv": ROUTED, "conv_transpose": ROUTED, "group_norm": FAST, "concat": FAST,
-             "pool": FAST}
-
-
-def select_rung(op: str, setting: str, device: torch.device, args: tuple) -> str:
-    """The rung a call takes: a pure function of the device, the arguments' metadata and the setting."""
-    if setting == VENDOR:
-        return VENDOR
-    name = setting
-    if setting == AUTO:
-        name = AUTO_RUNG.get(op, FAST)
-        if device.type != "cuda" or name is None:
-            return VENDOR
-    rung = _REGISTRY[op].get(name)
-    if rung is None or not rung.supports(*args):
-        return VENDOR
-    return name
-
-
-# --- the Triton rungs, imported on first use -------------------------------------------------------
-
-def _lazy_rung(module: str, forward_name: str, supports_name: str,
-               forward_args: Callable[[tuple], tuple], supports_args: Callable[[tuple], tuple],
-               forward_kwargs: Callable[[tuple], dict] = lambda a: {}) -> Rung:
-    loaded: dict[str, Any] = {}
-
-    def load():
-        if "fns" not in loaded:
-            try:
-                mod = importlib.import_module(module)
-                loaded["fns"] = (getattr(mod, forward_name), getattr(mod, supports_name))
-            except Exception as exc:  # a missing or broken kernel module: the rung is unavailable
-                loaded["fns"] = None
-                warnings.warn(f"Triton rung unavailable, {forward_name} runs on vendor: {module}: "
-                              f"{type(exc).__name__}: {exc}".splitlines()[0], LadderWarning, stacklevel=2)
-        return loaded["fns"]
-
-    def supports(*args) -> bool:
-        fns = load()
-        return fns is not None and bool(fns[1](*supports_args(args)))
-
-    def forward(*args) -> torch.Tensor:
-        return load()[0](*forward_args(args), **forward_kwargs(args))
-
-    return Rung(supports, forward)
-
-
-def _register_triton_rungs() -> None:
-    keep = lambda a: a  # noqa: E731
-    _REGISTRY["conv"][FAST] = _lazy_rung(
-        "scaffold.kernels.conv", "conv3d", "conv3d_supported", lambda a: a[:6], keep)
-    _REGISTRY["conv_transpose"][FAST] = _lazy_rung(
-        "scaffold.kernels.conv", "conv_transpose3d", "conv_transpose3d_supported", lambda a: a[:4], keep)
-    _REGISTRY["conv"][ROUTED] = _lazy_rung(
-        "scaffold.kernels.conv", "conv3d_routed", "conv3d_routed_supported", lambda a: a[:6], keep)
-    _REGISTRY["conv_transpose"][ROUTED] = _lazy_rung(
-        "scaffold.kernels.conv", "conv_transpose3d_routed", "conv_transpose3d_routed_supported",
-        lambda a: a[:4], keep)
-    _REGISTRY["group_norm"][FAST] = _lazy_rung(
-        "scaffold.kernels.groupnorm", "group_norm", "group_norm_supported", lambda a: a[:6], lambda a: a[:4],
-        forward_kwargs=lambda a: {"out_dtype": a[6]})
-    _REGISTRY["concat"][FAST] = _lazy_rung(
-        "scaffold.kernels.concat", "concat_channels", "concat_supported", keep, lambda a: a[:2])
-    _REGISTRY["pool"][FAST] = _lazy_rung(
-        "scaffold.kernels.pool", "max_pool2", "max_pool2_supported", keep, keep)
-
-
-_register_triton_rungs()
 
 
 # --- the modules ----------------------------------------------------------------------------------
@@ -181,15 +39,15 @@ class LadderSite:
         self.rungs_ran: set[str] = set()
         self._warned_unsupported = False
 
-    def _run(self, args: tuple, vendor: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _run(self, call: tuple, vendor: Callable[[], Any]) -> Any:
         name = VENDOR
         if not self.vendor_only:
-            name = select_rung(self.op, self.ladder_setting, args[0].device, args)
+            name = policy.select_rung(self.op, self.ladder_setting, call)
             if name == VENDOR and self.ladder_setting not in (AUTO, VENDOR):
-                self._warn_unsupported(args)
+                self._warn_unsupported(call)
         if name != VENDOR:
             try:
-                out = _REGISTRY[self.op][name].forward(*args)
+                out = policy.rung(self.op, name).forward(call)
             except Exception as exc:  # compile failure or a kernel bug: this module goes vendor for good
                 self.vendor_only = True
                 self.fallback_error = f"{name}: {type(exc).__name__}: {exc}".splitlines()[0]
@@ -201,11 +59,11 @@ class LadderSite:
         self.rungs_ran.add(VENDOR)
         return vendor()
 
-    def _warn_unsupported(self, args: tuple) -> None:
+    def _warn_unsupported(self, call: tuple) -> None:
         if self._warned_unsupported:
             return
         self._warned_unsupported = True
-        x = args[0]
+        x = call[0]
         warnings.warn(f"{self.ladder_name} ({self.op}): ladder setting {self.ladder_setting!r} does not "
                       f"support {tuple(x.shape)} {x.dtype} on {x.device}; running vendor",
                       LadderWarning, stacklevel=4)
@@ -225,8 +83,8 @@ class FastConv3d(LadderSite, nn.Conv3d):
         if self.padding_mode != "zeros":
             self.rungs_ran.add(VENDOR)
             return vendor()
-        args = (x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
-        return self._run(args, vendor)
+        call = ConvCall(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        return self._run(call, vendor)
 
 
 class FastConvTranspose3d(LadderSite, nn.ConvTranspose3d):
@@ -241,9 +99,9 @@ class FastConvTranspose3d(LadderSite, nn.ConvTranspose3d):
     def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
         output_padding = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size,
                                               3, self.dilation)
-        args = (x, self.weight, self.bias, self.stride, self.padding, tuple(output_padding), self.groups,
-                self.dilation)
-        return self._run(args, lambda: F.conv_transpose3d(
+        call = ConvTransposeCall(x, self.weight, self.bias, self.stride, self.padding, tuple(output_padding),
+                                 self.groups, self.dilation)
+        return self._run(call, lambda: F.conv_transpose3d(
             x, self.weight, self.bias, self.stride, self.padding, output_padding, self.groups, self.dilation))
 
 
@@ -277,8 +135,8 @@ class FastGroupNorm(LadderSite, nn.GroupNorm):
         out_dtype = None
         if self.autocast_output and torch.is_autocast_enabled(kind):
             out_dtype = torch.get_autocast_dtype(kind)
-        args = (x, self.num_groups, self.weight, self.bias, self.eps, self.relu, out_dtype)
-        return self._run(args, lambda: self._vendor(x, out_dtype))
+        call = GroupNormCall(x, self.num_groups, self.weight, self.bias, self.eps, self.relu, out_dtype)
+        return self._run(call, lambda: self._vendor(x, out_dtype))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", relu=True" if self.relu else "")
@@ -296,7 +154,7 @@ class FastConcat(LadderSite, nn.Module):
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         kind = a.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-        return self._run((a, b, dtype), lambda: torch.cat([a, b], dim=1))
+        return self._run(ConcatCall(a, b, dtype), lambda: torch.cat([a, b], dim=1))
 
 
 class FastMaxPool2(LadderSite, nn.Module):
@@ -311,33 +169,27 @@ class FastMaxPool2(LadderSite, nn.Module):
         self._init_site()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run((x,), lambda: max_pool2(x))
+        return self._run(PoolCall(x), lambda: max_pool2(x))
 
 
 # --- configuring a model, and its census ----------------------------------------------------------
 
-def _sites(model: nn.Module):
-    return ((name, m) for name, m in model.named_modules() if isinstance(m, LadderSite))
+def _sites(*modules: nn.Module):
+    for module in modules:
+        for name, m in module.named_modules():
+            if isinstance(m, LadderSite):
+                yield name or m.ladder_name, m
 
 
 def ladder_settings(ladder: Any) -> dict[str, str]:
-    """Setting per operator kind from a LadderConfig (or None = all auto). A config object without a
-    `concat` or `pool` field gives those the `group_norm` setting."""
-    if ladder is None:
-        return {op: AUTO for op in OPS}
-    settings = {op: getattr(ladder, op) for op in OPS[:3]}
-    for op in ("concat", "pool"):
-        settings[op] = getattr(ladder, op, settings["group_norm"])
-    for op, value in settings.items():
-        allowed = {AUTO, VENDOR, FAST, *_REGISTRY[op]}
-        if value not in allowed:
-            raise ConfigError(f"ladder.{op}={value!r}: expected {' | '.join(sorted(allowed))}")
-    return settings
+    """Setting per operator kind from a LadderConfig (None = all auto; a missing field = auto). The
+    values are checked by scaffold.config.validate against policy.settings."""
+    return {op: getattr(ladder, op, AUTO) if ladder is not None else AUTO for op in OPS}
 
 
 def set_ladder(model: nn.Module, ladder: Any) -> nn.Module:
-    """Applies a LadderConfig to every ladder module of a built model (and names them for warnings).
-    The census starts afresh; modules that fell back stay vendor-only and keep their record."""
+    """Applies a LadderConfig to every site of a module (and names them for warnings). The census
+    starts afresh; sites that fell back stay vendor-only and keep their record."""
     settings = ladder_settings(ladder)
     for name, m in _sites(model):
         m.ladder_setting = settings[m.op]
@@ -347,24 +199,18 @@ def set_ladder(model: nn.Module, ladder: Any) -> nn.Module:
     return model
 
 
-def reset_census(model: nn.Module) -> None:
-    """Forgets which rungs ran (fallback records stay: those modules remain vendor-only)."""
-    for _, m in _sites(model):
-        m.rungs_ran = set()
+def census(*modules: nn.Module) -> dict:
+    """Which rung each site of `modules` ran: counts per kind, the sites that fell back, and detail.
 
-
-def census(model: nn.Module) -> dict:
-    """Which rung each ladder module ran: counts per kind, the modules that fell back, and detail.
-
-    A module that ran several rungs (different shapes, or before and after a fallback) is listed as
+    A site that ran several rungs (different shapes, or before and after a fallback) is listed as
     'a+b' and counted under each; one that has not run yet is 'none'."""
     out: dict[str, Any] = {op: {} for op in OPS}
-    modules: dict[str, str] = {}
+    sites: dict[str, str] = {}
     fallbacks: list[str] = []
     errors: dict[str, str] = {}
-    for name, m in _sites(model):
+    for name, m in _sites(*modules):
         ran = sorted(m.rungs_ran) or ["none"]
-        modules[name] = "+".join(ran)
+        sites[name] = "+".join(ran)
         for rung in ran:
             out[m.op][rung] = out[m.op].get(rung, 0) + 1
         if m.fallback_error is not None:
@@ -372,13 +218,13 @@ def census(model: nn.Module) -> dict:
             errors[name] = m.fallback_error
     out["fallbacks"] = fallbacks
     out["fallback_errors"] = errors
-    out["modules"] = modules
+    out["modules"] = sites
     return out
 
 
 def format_census(c: dict) -> str:
     """A compact multi-line text of a census, for the log."""
-    lines = ["ladder census (modules per rung):"]
+    lines = ["ladder census (sites per rung):"]
     for op in OPS:
         counts = c.get(op, {})
         text = "  ".join(f"{rung} {n}" for rung, n in sorted(counts.items())) or "-"
@@ -390,7 +236,3 @@ def format_census(c: dict) -> str:
     else:
         lines.append("  fallbacks: none")
     return "\n".join(lines)
-
-
-def census_json(c: dict) -> str:
-    return json.dumps(c, indent=2, sort_keys=True)

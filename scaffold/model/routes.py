@@ -1,4 +1,4 @@
-"""Per-direction routes of the `routed` convolution rung (what `ladder.conv=auto` runs on CUDA).
+"""The measured routes of the `routed` convolution rung (what `ladder.conv=auto` runs on CUDA): data.
 
 A conv site has three kernels per step: forward, backward-data and backward-weight (with the bias
 gradient). For each *measured* shape this table says which of them run our Triton kernels and which
@@ -8,7 +8,7 @@ table lookup on (arch, dtype, op, channels, geometry, spatial size), never a tim
 so a run's bits depend only on (device, dtype, shape) as before. A shape not in the table is not
 routed: `auto` runs it all on vendor (`ladder.conv=triton` forces every direction onto Triton).
 
-`scripts/tune_routes.py` times both sides per site and direction on the GPU the table is for and
+`python -m scaffold.bench.tune_routes` times both sides per site and direction on the GPU the table is for and
 rewrites the ROUTES block below. Keys: arch|dtype|op|cin>cout|geometry|DxHxW of the conv's input
 (batch excluded: the routes were measured at batch 1); values: the rung of forward, backward-data and
 backward-weight.
@@ -20,13 +20,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from .common import arch_key
-from .tiles import dtype_key
+from scaffold.kernels.lib.device import arch_key, dtype_key
 
 TRITON = "triton"
 VENDOR = "vendor"
 
-# BEGIN ROUTES (written by scripts/tune_routes.py; values: forward, backward-data, backward-weight)
+# BEGIN ROUTES (written by python -m scaffold.bench.tune_routes; values: forward, backward-data, backward-weight)
 ROUTES: dict[str, tuple[str, str, str]] = {
     "sm90|bf16|convT|1024>512|k2s2p0d1|16x16x16": ('triton', 'vendor', 'vendor'),
     "sm90|bf16|convT|1024>512|k2s2p0d1|8x8x8": ('triton', 'vendor', 'vendor'),
@@ -90,8 +89,8 @@ def route_key(arch: str, dtype: torch.dtype, op: str, cin: int, cout: int, kerne
             + "x".join(str(int(s)) for s in spatial))
 
 
-def conv_route(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
-               transposed: bool = False) -> Optional[tuple[bool, bool, bool]]:
+def lookup(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
+           transposed: bool = False) -> Optional[tuple[bool, bool, bool]]:
     """(forward, backward-data, backward-weight) on Triton? for this call, or None when its shape was
     never measured. The dtype is the one the conv computes in (autocast's, when it is on). Metadata
     only: no host sync."""

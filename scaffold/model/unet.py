@@ -12,38 +12,19 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from scaffold.config import ConfigError
+from scaffold.config import check_model
 from scaffold.model.blocks import DoubleConv, Down, Up
 from scaffold.model.ladder import FastConv3d, set_ladder
-
-
-def _need(ok: bool, key: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: expected {expected}")
-
-
-def check_shape_config(scale: int, bottleneck: int, base_width: int, groups: int) -> list[int]:
-    """The widths from the stem to the bottleneck; ConfigError naming the key when they cannot work."""
-    _need(isinstance(bottleneck, int) and bottleneck >= 0, "model.bottleneck", "an integer >= 0",
-          bottleneck)
-    _need(isinstance(scale, int) and scale > bottleneck, "scale",
-          f"an integer greater than model.bottleneck ({bottleneck})", scale)
-    _need(isinstance(base_width, int) and base_width > 0, "model.base_width", "a positive integer",
-          base_width)
-    _need(isinstance(groups, int) and groups > 0, "model.groups", "a positive integer", groups)
-    widths = [base_width * 2**i for i in range(scale - bottleneck + 1)]
-    _need(all(w % groups == 0 for w in widths), "model.groups", f"a divisor of every width {widths}",
-          groups)
-    return widths
 
 
 class UNet3d(nn.Module):
     def __init__(self, scale: int, bottleneck: int = 3, base_width: int = 64, groups: int = 8,
                  in_channels: int = 3, n_classes: int = 6, ladder: Optional[Any] = None):
         super().__init__()
-        widths = check_shape_config(scale, bottleneck, base_width, groups)
-        _need(in_channels > 0, "in_channels", "a positive integer", in_channels)
-        _need(n_classes > 1, "n_classes", "at least 2 (background + one class)", n_classes)
+        widths = check_model(scale, bottleneck, base_width, groups)
+        if in_channels < 1 or n_classes < 2:
+            raise ValueError(f"UNet3d: expected in_channels >= 1 and n_classes >= 2 (background + one "
+                             f"class), got {in_channels} and {n_classes}")
         self.scale, self.levels, self.n_classes = scale, len(widths) - 1, n_classes
         self.inc = DoubleConv(in_channels, base_width, groups)
         self.downs = nn.ModuleList(Down(w, groups) for w in widths[:-1])

@@ -1,0 +1,89 @@
+"""The convolution rungs' autograd: each direction on the Triton launchers or on ATen, as a route says.
+
+A conv site has three directions per step: forward, backward-data and backward-weight (with the bias
+gradient). A route (three booleans, from scaffold.model.policy) sends each to our Triton launchers
+(scaffold.kernels.conv) or to ATen (cuDNN on CUDA, under the process's determinism flags); the
+`triton` rung is the route (True, True, True). Both sides are deterministic, so a mixed route gives
+bits that depend only on (device, dtype, shape).
+
+Entry points mirror F.conv3d / F.conv_transpose3d, autocast included: under autocast x, weight and
+bias are cast to the autocast dtype (differentiably, so gradients reach fp32 master weights) and the
+op runs with autocast off, returning the autocast dtype as the vendor op does. Outputs are
+channels_last_3d (NDHWC); gradients come back in each input's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from scaffold.kernels import conv as K
+
+ALL_TRITON = (True, True, True)
+_NO_PAD, _NO_DIL = (0, 0, 0), (1, 1, 1)
+
+
+class _ConvFn(torch.autograd.Function):
+    """conv3d (transposed=False) or conv_transpose3d with kernel = stride (transposed=True)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, stride, padding, dilation, transposed, route):
+        w = K.channels_last_weight(w)
+        if transposed:
+            y = K.conv_transpose3d_forward(x, w, bias) if route[0] else F.conv_transpose3d(x, w, bias, stride)
+        elif route[0]:
+            y = K.conv3d_forward(x, w, bias, stride, padding, dilation)
+        else:
+            y = F.conv3d(x, w, bias, stride, padding, dilation)
+        ctx.save_for_backward(x, w)
+        ctx.geometry, ctx.transposed, ctx.route = (stride, padding, dilation), transposed, route
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        g, transposed, route = ctx.geometry, ctx.transposed, ctx.route
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        # The directions routed to ATen, in one call of its convolution backward.
+        mask = [need_dx and not route[1], need_dw and not route[2], need_db and not route[2]]
+        dx = dw = db = None
+        if any(mask):
+            bias_sizes = [w.shape[1] if transposed else w.shape[0]] if mask[2] else None
+            dx, dw, db = torch.ops.aten.convolution_backward(dy, x, w, bias_sizes, *g, transposed,
+                                                             _NO_PAD, 1, mask)
+            db = None if db is None else db.to(ctx.bias_dtype)
+        if need_dx and route[1]:
+            dx = (K.conv_transpose3d_backward_data(dy, w, x.shape) if transposed
+                  else K.conv3d_backward_data(dy, w, x.shape, *g))
+        if need_dw and route[2]:
+            dw = (K.conv_transpose3d_backward_weight(dy, x, w.shape, w.dtype) if transposed
+                  else K.conv3d_backward_weight(dy, x, w.shape, w.dtype, *g))
+        if need_db and route[2]:
+            db = K.bias_grad(dy, ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None
+
+
+def _apply(x, weight, bias, stride, padding, dilation, transposed, route) -> torch.Tensor:
+    kind = x.device.type
+    args = (tuple(stride), tuple(padding), tuple(dilation), transposed, tuple(route))
+    if not torch.is_autocast_enabled(kind):
+        return _ConvFn.apply(x, weight, bias, *args)
+    dt = torch.get_autocast_dtype(kind)  # cast as autocast casts F.conv3d's inputs
+    cast = (lambda t: t if t is None or not t.is_floating_point() else t.to(dt))
+    with torch.autocast(kind, enabled=False):
+        return _ConvFn.apply(cast(x), cast(weight), cast(bias), *args)
+
+
+def conv3d(x, weight, bias, stride, padding, dilation, route=ALL_TRITON) -> torch.Tensor:
+    """F.conv3d(x, weight, bias, stride, padding, dilation) (groups = 1) with each direction where
+    `route` says (forward, backward-data, backward-weight: True = Triton)."""
+    return _apply(x, weight, bias, stride, padding, dilation, False, route)
+
+
+def conv_transpose3d(x, weight, bias, stride, route=ALL_TRITON) -> torch.Tensor:
+    """F.conv_transpose3d(x, weight, bias, stride) for kernel == stride, padding 0, output_padding 0."""
+    if tuple(weight.shape[2:]) != tuple(stride):
+        raise ValueError(f"conv_transpose3d: kernel {tuple(weight.shape[2:])} must equal stride "
+                         f"{tuple(stride)}")
+    return _apply(x, weight, bias, stride, _NO_PAD, _NO_DIL, True, route)
