@@ -5,9 +5,9 @@ Why it looks the way it does:
   epoch travels to the device once (pinned, non-blocking); the input is built on the device as
   palette[mask]; losses, Dice sums and step timings (CUDA events) stay on the device and are read once, at
   the end of the epoch. `torch.cuda.set_sync_debug_mode("error")` around an epoch proves it.
-- On one CUDA device the step's forward, loss and backward are captured once as a CUDA graph and
-  replayed (`cuda_graph`, scaffold/graphs.py): the same kernels and bits, one launch instead of
-  hundreds, so the host no longer sets the step time. Clip and Adam stay eager.
+- The step itself is scaffold.step.TrainStep (shared with the warm-up and the step benchmark); on one
+  CUDA device it is replayed from a CUDA graph (`cuda_graph`): the same kernels and bits, one launch
+  instead of hundreds, so the host no longer sets the step time.
 - The batch order of epoch e is a pure function of (seed, e), so a resumed run only needs the epoch number
   to continue the sampler exactly where it stood.
 - Warm-up steps (compilation, allocation) run on a throw-away copy of the model and optimizer, so they
@@ -33,6 +33,7 @@ from scaffold import checkpoint, determinism, distributed
 from scaffold.data.loader import make_input
 from scaffold.metrics import hard_dice, per_sample_loss
 from scaffold.stats import StatsFile
+from scaffold.step import TrainStep, amp_dtype, make_optimizer
 
 log = logging.getLogger("scaffold")
 
@@ -125,6 +126,17 @@ class EpochBar:
             self.bar.close()
 
 
+@dataclass
+class EpochSums:
+    """One epoch's training sums on the device (read once, at epoch end), and its step count."""
+
+    loss: torch.Tensor
+    dice: torch.Tensor
+    samples: int
+    steps: int
+    timer: StepTimer
+
+
 class Trainer:
     def __init__(self, cfg: Any, model: torch.nn.Module, loss_fn: torch.nn.Module, volumes: Volumes,
                  device: torch.device, run_dir: Path, place: distributed.Place = distributed.Place(),
@@ -133,84 +145,21 @@ class Trainer:
         self.net = ddp_model if ddp_model is not None else model  # what the step calls
         self.device, self.run_dir, self.place = device, Path(run_dir), place
         self.n_classes = volumes.palette.shape[0]
-        self.amp_dtype = _amp_dtype(cfg.precision, device)
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr,
-                                          weight_decay=cfg.optim.weight_decay)
+        self.amp_dtype = amp_dtype(cfg.precision, device)
+        self.optimizer = make_optimizer(model.parameters(), cfg)
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
             self.optimizer, T_0=cfg.optim.t0, T_mult=cfg.optim.t_mult, eta_min=cfg.optim.eta_min)
+        self.train_step = self._train_step(self.net, self.optimizer)
         self.progress = Progress()
-        self.census_done = False
-        self.graph = None  # scaffold.graphs.StepGraph once prepare_graph has captured the step
-        self.graph_tried = False
-        self.on_first_step = None  # callback(model) after the first real step (the census)
+        self.on_first_step = None  # callback() after the first real step (the census)
 
-    # ----------------------------------------------------------------------------------- the step
-    def _autocast(self):
-        if self.amp_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+    def _train_step(self, net, optimizer) -> TrainStep:
+        return TrainStep(net, self.loss_fn, optimizer, self.vol.palette, self.amp_dtype, self.cfg.optim.grad_clip)
 
-    def step(self, masks: torch.Tensor, net=None, optimizer=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on a batch of masks; returns (batch loss, per-sample soft Dice), on device.
-        The real model's forward, loss and backward replay the captured graph where there is one
-        (`prepare_graph`); the returned tensors are then the graph's, valid until the next step."""
-        net = net or self.net
-        optimizer = optimizer or self.optimizer
-        graphed = self.graph is not None and net is self.net and optimizer is self.optimizer
-        if graphed and self.graph.fits(masks):
-            loss, dice = self.graph.run(masks)
-        else:
-            if graphed:  # another batch shape (an epoch's short last batch): eager, into the graph's grads
-                optimizer.zero_grad(set_to_none=False)
-            loss, dice = self.forward_backward(masks, net)
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), self.cfg.optim.grad_clip, foreach=True)
-        optimizer.step()
-        if not graphed:  # the graph writes the same gradient tensors again on its next replay
-            optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), dice.detach()
-
-    def forward_backward(self, masks: torch.Tensor, net=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, loss and backward of one batch (the part of the step a CUDA graph captures)."""
-        net = net or self.net
-        x = make_input(masks, self.vol.palette)
-        with self._autocast():
-            logits = net(x)
-        # The uint8 masks are the labels: the loss reads them as they are (no int64 copy per step).
-        loss, _, dice = self.loss_fn.terms(logits, masks)  # fp32, outside autocast
-        loss.backward()
-        return loss, dice
-
-    def use_graph(self) -> bool:
-        """Whether this run captures its step as a CUDA graph (`cuda_graph`: auto/on on one CUDA device
-        in one process; `worker.run` rejects `on` elsewhere before any work)."""
-        mode = getattr(self.cfg, "cuda_graph", "off")
-        return mode != "off" and self.device.type == "cuda" and self.place.world == 1
-
-    def prepare_graph(self) -> float:
-        """Captures the real model's forward, loss and backward (once; outside any epoch, since the
-        capture synchronizes the device); returns the seconds it took (0 when not used)."""
-        if self.graph_tried or not self.use_graph():
-            return 0.0
-        self.graph_tried = True
-        from scaffold.graphs import StepGraph
-
-        t0 = time.perf_counter()
-        rng = determinism.rng_state()
-        self.model.train()
-        try:  # StepGraph sets the gradients to None itself before it captures
-            self.graph = StepGraph(self.forward_backward, self.model.parameters(),
-                                   self.vol.train[: self.cfg.batch_size])
-        except Exception as e:  # noqa: BLE001 - `auto` keeps training, eagerly; `on` promised a graph
-            if self.cfg.cuda_graph == "on":
-                raise
-            self.graph = None
-            self.optimizer.zero_grad(set_to_none=True)  # whatever a half-done capture left
-            log.warning("cuda_graph=auto: the step could not be captured (%s); running it eagerly",
-                        f"{type(e).__name__}: {e}".splitlines()[0])
-        determinism.set_rng_state(rng)
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+    def step(self, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step of the real model on a batch of masks: (batch loss, per-sample soft Dice),
+        on the device (graph-owned tensors when the step is captured: valid until the next step)."""
+        return self.train_step(masks)
 
     def batch_order(self, epoch: int) -> torch.Tensor:
         """This rank's sample order for an epoch, on the device: a pure function of (seed, epoch)."""
@@ -220,7 +169,7 @@ class Trainer:
             return order.pin_memory().to(self.device, non_blocking=True)
         return order
 
-    def train_epoch(self, epoch: int, profiler=None) -> dict[str, Any]:
+    def train_epoch(self, epoch: int, profiler=None) -> EpochSums:
         order = self.batch_order(epoch)
         bs = self.cfg.batch_size
         loss_sum = torch.zeros((), device=self.device)
@@ -240,57 +189,57 @@ class Trainer:
             bar.update(masks.shape[0])
             if profiler is not None:
                 profiler.step()
-            if not self.census_done and self.on_first_step is not None:
-                self.census_done = True
-                self.on_first_step(self.model)
+            if self.on_first_step is not None:
+                self.on_first_step()
+                self.on_first_step = None
         bar.close()
-        return {"loss_sum": loss_sum, "dice_sum": dice_sum, "samples": len(order), "steps": steps,
-                "timer": timer}
+        return EpochSums(loss_sum, dice_sum, len(order), steps, timer)
 
     @torch.no_grad()
-    def evaluate(self, net=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def eval_batch(self, net, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample validation loss and hard Dice of one batch, on the device."""
+        with self.train_step.autocast_context(self.device):
+            logits = net(make_input(masks, self.vol.palette))
+        return per_sample_loss(self.loss_fn, logits, masks), hard_dice(logits, masks, self.n_classes)
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Sums of per-sample validation loss and hard Dice over this rank's share, on the device."""
-        net = net or self.net
-        net.eval()
+        self.net.eval()
         val = self.vol.val[self.place.rank::self.place.world]
         loss_sum = torch.zeros((), device=self.device)
         dice_sum = torch.zeros((), device=self.device)
         for i in range(0, val.shape[0], self.cfg.batch_size):
-            masks = val[i:i + self.cfg.batch_size]
-            with self._autocast():
-                logits = net(make_input(masks, self.vol.palette))
-            loss_sum += per_sample_loss(self.loss_fn, logits, masks).sum()
-            dice_sum += hard_dice(logits, masks, self.n_classes).sum()
-        net.train()
+            loss, dice = self.eval_batch(self.net, val[i:i + self.cfg.batch_size])
+            loss_sum += loss.sum()
+            dice_sum += dice.sum()
+        self.net.train()
         return loss_sum, dice_sum, val.shape[0]
 
-    # --------------------------------------------------------------------------------- warm-up
+    # ------------------------------------------------------------------------ before the first epoch
     def warmup(self, steps: int) -> float:
-        """Untimed steps on a copy of the model and optimizer (compilation, allocation); returns seconds.
-        The real model, optimizer and RNG streams are untouched, so the trajectory does not change."""
+        """Untimed steps and one evaluation batch on a copy of the model and optimizer (compilation,
+        allocation); returns seconds. The real model, optimizer and RNG streams are untouched, so the
+        trajectory does not change."""
         if steps <= 0:
             return 0.0
         t0 = time.perf_counter()
         rng = determinism.rng_state()
         net = copy.deepcopy(self.model)
-        opt = torch.optim.Adam(net.parameters(), lr=self.cfg.lr)
+        step = self._train_step(net, make_optimizer(net.parameters(), self.cfg))
         masks = self.vol.train[: self.cfg.batch_size]
         for _ in range(steps):
-            self.step(masks, net=net, optimizer=opt)
-        self.evaluate_batch_warmup(net)
-        del net, opt
+            step(masks)
+        self.eval_batch(net, self.vol.val[: self.cfg.batch_size])
+        del net, step
         determinism.set_rng_state(rng)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    @torch.no_grad()
-    def evaluate_batch_warmup(self, net) -> None:
-        masks = self.vol.val[: self.cfg.batch_size]
-        with self._autocast():
-            logits = net(make_input(masks, self.vol.palette))
-        per_sample_loss(self.loss_fn, logits, masks)
-        hard_dice(logits, masks, self.n_classes)
+    def capture(self, required: bool) -> float:
+        """Captures the real step as a CUDA graph (see scaffold.step); returns the seconds it took."""
+        return self.train_step.capture(self.vol.train[: self.cfg.batch_size], required)
 
     # ------------------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
@@ -315,7 +264,6 @@ class Trainer:
         """Epochs until the validation Dice reaches the target or the epoch cap; returns the bookkeeping."""
         cfg, p = self.cfg, self.progress
         ckpt_dir = self.run_dir / "checkpoints"
-        self.prepare_graph()  # a no-op where already captured or not used
         first = True  # the profiler window covers the first epoch this invocation runs
         while p.time_to_target is None and (cfg.epochs == -1 or p.epoch < cfg.epochs):
             epoch = p.epoch + 1
@@ -327,15 +275,15 @@ class Trainer:
                 tr = self.train_epoch(epoch, profiler)
             vloss, vdice, nval = self.evaluate()
             # The one read of the epoch: every sum, reduced over ranks, in one transfer.
-            sums = torch.stack([tr["loss_sum"], tr["dice_sum"], vloss, vdice,
-                                torch.tensor(float(tr["samples"]), device=self.device),
+            sums = torch.stack([tr.loss, tr.dice, vloss, vdice,
+                                torch.tensor(float(tr.samples), device=self.device),
                                 torch.tensor(float(nval), device=self.device)])
             loss_sum, dice_sum, vloss_sum, vdice_sum, n_train, n_val = \
                 distributed.all_reduce_sum(sums, self.place).tolist()
-            step_ms = tr["timer"].median_ms()
+            step_ms = tr.timer.median_ms()
             self.scheduler.step()
             duration = time.perf_counter() - t0
-            p.epoch, p.total_steps = epoch, p.total_steps + tr["steps"]
+            p.epoch, p.total_steps = epoch, p.total_steps + tr.steps
             p.train_time += duration
             overall, val_avg = loss_sum / n_train, vloss_sum / n_val
             val_dice = vdice_sum / n_val
@@ -349,7 +297,7 @@ class Trainer:
             row = {
                 "epoch": epoch, "epoch_loss": loss_sum, "overall_loss": overall,
                 "val_loss_epoch": vloss_sum, "val_loss_avg": val_avg, "train_dice": dice_sum / n_train,
-                "val_dice": val_dice, "epoch_duration": duration, "optimizer_steps": tr["steps"],
+                "val_dice": val_dice, "epoch_duration": duration, "optimizer_steps": tr.steps,
                 "total_optimizer_steps": p.total_steps, "lr": lr, "step_ms_median": step_ms,
                 "is_best": is_best, "train_time": p.train_time,
             }
@@ -369,12 +317,6 @@ class Trainer:
                 if is_best:
                     checkpoint.mark_best(ckpt_dir)
         return p
-
-
-def _amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
 
 
 def _profiler(run_dir: Path):

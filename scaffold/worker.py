@@ -7,9 +7,7 @@ is generated or the model is built.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
-import os
 import platform
 import time
 from pathlib import Path
@@ -19,8 +17,10 @@ import torch
 
 import scaffold
 from scaffold import checkpoint, determinism, distributed, report
-from scaffold.config import ConfigError, validate
+from scaffold.config import ConfigError, dataset_sizes, validate
+from scaffold.files import write_json
 from scaffold.stats import StatsFile
+from scaffold.step import wants_graph
 from scaffold.trainer import Trainer, Volumes
 
 log = logging.getLogger("scaffold")
@@ -42,19 +42,6 @@ def pick_device(name: str, place: distributed.Place) -> torch.device:
     return torch.device(name)
 
 
-def dataset_sizes(data: Any) -> tuple[int, int]:
-    """(n_train, n_val) that a data config will produce, without generating anything."""
-    from scaffold.data.volumes import split_sizes
-
-    n_volumes = data.n_categories * (data.n_instances // data.fractals_per_volume)
-    return split_sizes(n_volumes, float(data.val_fraction))
-
-
-def check_batch(cfg: Any, n_train: int) -> None:
-    if cfg.batch_size > n_train:
-        raise ConfigError(f"batch_size={cfg.batch_size}: expected at most the {n_train} training volumes")
-
-
 def check_writable(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -63,12 +50,6 @@ def check_writable(run_dir: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"run directory {run_dir}: not writable ({e.strerror or e})") from None
-
-
-def _atomic_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def config_dict(cfg: Any) -> dict:
@@ -85,15 +66,11 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     determinism.configure(cfg.determinism)  # before anything touches CUDA
     place = distributed.init("cuda" if str(cfg.device) != "cpu" and torch.cuda.is_available() else "cpu")
     device = pick_device(str(cfg.device), place)
-    if cfg.cuda_graph == "on" and (device.type != "cuda" or place.world > 1):
-        where = f"{place.world} processes" if place.world > 1 else f"device {device}"
-        raise ConfigError(f"cuda_graph='on': expected one CUDA device in one process, got {where} "
-                          "(use cuda_graph=auto or off)")
+    use_graph = wants_graph(cfg.cuda_graph, device, place.world)
     run_dir = Path(distributed.broadcast_object(str(run_dir), place))
     check_writable(run_dir)
 
     n_train, _ = dataset_sizes(cfg.data)
-    check_batch(cfg, n_train)
     if place.world > n_train:
         raise ConfigError(f"world size {place.world}: more ranks than the {n_train} training volumes")
     state = None
@@ -138,16 +115,16 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     trainer = Trainer(cfg, model, loss_fn, volumes, device, run_dir, place, ddp)
     n_params = sum(p.numel() for p in model.parameters())
 
-    def on_first_step(m):
-        c = census(m)
+    def on_first_step():
+        c = census(model, loss_fn)
         log.info("kernel census after the first step:\n%s", format_census(c))
         if place.is_main:
-            _atomic_json(run_dir / CENSUS_FILE, c)
+            write_json(run_dir / CENSUS_FILE, c)
 
     trainer.on_first_step = on_first_step
 
     if place.is_main and not resume:
-        _atomic_json(run_dir / RUN_FILE, {
+        write_json(run_dir / RUN_FILE, {
             "config": config_dict(cfg),
             "overrides": overrides or [],
             "scaffold": scaffold.__version__,
@@ -171,8 +148,8 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     warm = trainer.warmup(cfg.warmup_steps)
     if cfg.warmup_steps:
         log.info("warm-up: %d untimed steps on a copy of the model, %.1f s", cfg.warmup_steps, warm)
-    captured = trainer.prepare_graph()
-    if trainer.graph is not None:
+    captured = trainer.capture(required=cfg.cuda_graph == "on") if use_graph else 0.0
+    if trainer.train_step.graph is not None:
         log.info("step captured as a CUDA graph (forward, loss, backward), %.1f s", captured)
 
     try:
@@ -192,12 +169,12 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
         "train_time_s": progress.train_time,
         "dataset_s": data_seconds,
         "warmup_s": warm,
-        "cuda_graph": trainer.graph is not None,
+        "cuda_graph": trainer.train_step.graph is not None,
         "graph_capture_s": captured,
         "overrides": overrides or [],
     }
     if place.is_main:
-        _atomic_json(run_dir / RESULT_FILE, result)
+        write_json(run_dir / RESULT_FILE, result)
     if progress.time_to_target is not None:
         log.info("time to target: %.2f s (val dice %.4f >= %.2f at epoch %d, %d optimizer steps); "
                  "results in %s", progress.time_to_target, progress.last_val_dice, cfg.target_dice,

@@ -16,6 +16,12 @@ def pytest_addoption(parser):
                           "say in the commit message why the numbers moved)")
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A dataset cache folder shared by the tests of one module (each dataset is generated once)."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture
 def update_golden(request):
     return request.config.getoption("--update-golden")

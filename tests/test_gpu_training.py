@@ -20,11 +20,6 @@ SCALE7 = ["scale=7", "model.bottleneck=3", "model.base_width=64", "model.groups=
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
 def first_run(tmp_path_factory, cache):
     run_dir = tmp_path_factory.mktemp("first")
     worker.run(tiny_cfg(cache, *SCALE7), run_dir)
@@ -121,7 +116,7 @@ def _mixed_route(x, weight, stride, padding, dilation, transposed=False):
 def test_training_on_routed_convs_gives_the_same_bits_twice(cache, tmp_path, monkeypatch):
     """`auto` on CUDA runs the convolutions `routed`: directions split between Triton and
     deterministic cuDNN per shape. Two runs give the same bits, and every site ran routed."""
-    monkeypatch.setattr("scaffold.kernels.conv.conv_route", _mixed_route)
+    monkeypatch.setattr("scaffold.model.routes.lookup", _mixed_route)
     census = _train_twice_same_bits(cache, tmp_path, [a for a in TRITON_CONVS if not a.startswith("ladder.")])
     assert census["conv"] == {"routed": 11} and census["conv_transpose"] == {"routed": 2}, census
     assert census["fallbacks"] == []
@@ -154,9 +149,9 @@ def test_graph_with_a_short_last_batch_gives_the_eager_bits(cache, tmp_path):
 
 
 def test_step_graph_replays_write_fresh_gradients():
-    """StepGraph: after a replay the gradients are those of that batch alone (not accumulated over
+    """The step's CUDA graph: after a replay the gradients are those of that batch alone (not accumulated over
     replays), bitwise equal to an eager backward of the same batch."""
-    from scaffold.graphs import StepGraph
+    from scaffold.step import _StepGraph as StepGraph
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).cuda()
@@ -174,7 +169,7 @@ def test_step_graph_replays_write_fresh_gradients():
 
     eager = [eager_step(x) for x in batches]
     net.zero_grad(set_to_none=True)
-    graph = StepGraph(fwd_bwd, net.parameters(), batches[0])
+    graph = StepGraph(fwd_bwd, list(net.parameters()), batches[0])
     assert not graph.fits(batches[0, :4])
     for _ in range(2):  # replays of the same batch twice: no accumulation
         for x, (loss, grads) in zip(batches, eager):
@@ -188,7 +183,7 @@ def test_a_failed_capture_falls_back_to_eager_under_auto_and_raises_under_on(cac
     def refuse(*args, **kwargs):
         raise RuntimeError("capture refused (test)")
 
-    monkeypatch.setattr("scaffold.graphs.StepGraph", refuse)
+    monkeypatch.setattr("scaffold.step._StepGraph", refuse)
     cfg = ["scale=5", "model.base_width=16", "device=cuda", "epochs=1", "warmup_steps=0"]
     (tmp_path / "auto").mkdir()
     result = worker.run(tiny_cfg(cache, *cfg), tmp_path / "auto")

@@ -1,19 +1,21 @@
 """Training-step benchmark: `python -m scaffold.bench.minibatch [--scale 7] [--variants ...] [--out FILE]`.
 
-Times the whole training step of the model (input built on the device, forward under bf16 autocast, loss,
-backward, gradient clip, Adam, zero grads) for several variants, side by side in one process:
+Times the trainer's own training step (scaffold.step.TrainStep: input built on the device, forward under
+bf16 autocast, loss on the uint8 labels, backward, gradient clip, Adam, grads reset) for several variants,
+side by side in one process:
   ladder    the default: every site on its `auto` rung (the convolutions `routed`: per direction on
             Triton or deterministic cuDNN as the measured routes say; GroupNorm, concat and the max
             pool on Triton)
   graphed   the default as the trainer runs it on one GPU: forward, loss and backward captured once
-            as a CUDA graph and replayed (scaffold/graphs.py), clip and Adam eager
+            as a CUDA graph and replayed (scaffold/step.py), clip and Adam eager
   triton    the default with the convolutions forced onto the Triton rung (conv=triton,
             conv_transpose=triton), to weigh that rung inside the real step
   cudnn     the default with the convolutions forced onto vendor (cuDNN), the other sites as ladder
   vendor    every site forced to the vendor op (stock eager PyTorch: cuDNN + ATen)
   compiled  the vendor model under torch.compile (what a user gets from stock PyTorch + compile)
-Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with CUDA events;
-the table gives the median step time and the ratio to `vendor`.
+Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with
+scaffold.bench.timing.measure (wall timer: CUDA events, one wait at the end); the table gives the median
+step time and the ratio to `vendor`.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 from scaffold import determinism
 from scaffold.bench import write_json
+from scaffold.bench.timing import measure
 from scaffold.config import Config, LadderConfig
 
 
@@ -35,13 +38,14 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
     cfg.model.base_width = width
     rung = "auto" if variant in ("ladder", "graphed", "triton", "cudnn") else "vendor"
     conv = {"triton": "triton", "cudnn": "vendor"}.get(variant, rung)
-    cfg.ladder = LadderConfig(conv=conv, conv_transpose=conv, group_norm=rung, concat=rung, pool=rung)
+    cfg.ladder = LadderConfig(conv=conv, conv_transpose=conv, group_norm=rung, concat=rung, pool=rung,
+                              loss=rung)
     determinism.seed_all(0)
     model = UNet3d.from_config(cfg, n_classes).to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last_3d)
     net = torch.compile(model) if variant == "compiled" else model
-    return model, net
+    return model, net, cfg
 
 
 # Kernel name fragments -> the part of the step they belong to (first match wins).
@@ -97,48 +101,25 @@ def step_breakdown(step, steps: int) -> dict:
 
 
 def make_step(variant: str, scale: int, width: int, device: torch.device, n_classes: int = 6):
-    """(model, step) of a variant: step(i) is one whole training step on the i-th of 4 fixed random
-    volumes (input built on the device, forward under bf16 autocast on CUDA, loss, backward, clip,
-    Adam, zero grads)."""
-    from scaffold.data.loader import make_input
+    """(model, step, masks): `step` is the trainer's own TrainStep (scaffold.step) for a variant, with the
+    default config's optimizer, clip and precision; `masks` are 4 fixed random uint8 volumes, batch 1
+    each (masks[i] is one step's batch, the labels exactly as the trainer feeds them)."""
     from scaffold.loss import SegmentationLoss
+    from scaffold.step import TrainStep, amp_dtype, make_optimizer
 
-    model, net = build(variant, scale, width, device, n_classes)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loss_fn = SegmentationLoss(torch.linspace(0.5, 2.0, n_classes)).to(device)
+    model, net, cfg = build(variant, scale, width, device, n_classes)
+    loss_fn = SegmentationLoss(torch.linspace(0.5, 2.0, n_classes), rung=cfg.ladder.loss).to(device)
     g = torch.Generator().manual_seed(0)
     edge = 2**scale
     masks = torch.randint(0, n_classes, (4, 1, edge, edge, edge), generator=g, dtype=torch.uint8).to(device)
     palette = torch.rand(n_classes, 3, generator=g).to(device)
-    cuda = device.type == "cuda"
-
-    def fwd_bwd(m: torch.Tensor) -> tuple[torch.Tensor]:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            logits = net(make_input(m, palette))
-        loss = loss_fn(logits, m.long())
-        loss.backward()
-        return (loss,)
-
-    graph = None
+    step = TrainStep(net, loss_fn, make_optimizer(model.parameters(), cfg), palette,
+                     amp_dtype(cfg.precision, device), cfg.optim.grad_clip)
     if variant == "graphed":
-        if not cuda:
+        if device.type != "cuda":
             raise ValueError("the graphed variant needs a CUDA device (CUDA graphs)")
-        from scaffold.graphs import StepGraph
-
-        graph = StepGraph(fwd_bwd, model.parameters(), masks[0])
-
-    def step(i: int):
-        m = masks[i % masks.shape[0]]
-        if graph is not None:
-            graph.run(m)
-        else:
-            fwd_bwd(m)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        if graph is None:  # the graph writes the same gradient tensors again on its next replay
-            opt.zero_grad(set_to_none=True)
-
-    return model, step
+        step.capture(masks[0], required=True)
+    return model, step, masks
 
 
 def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, warmup: int,
@@ -147,37 +128,30 @@ def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, wa
     if cuda:  # peak from here on: a CUDA graph allocates its memory when it is captured, in make_step
         torch.cuda.reset_peak_memory_stats()
         base_bytes = torch.cuda.memory_allocated()
-    model, step = make_step(variant, scale, width, device)
+    model, train_step, masks = make_step(variant, scale, width, device)
+
+    def step(i: int):
+        train_step(masks[i % masks.shape[0]])
+
     t0 = time.perf_counter()
     for i in range(warmup):
         step(i)
     if cuda:
         torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
-    per_step = []
-    for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for i in range(steps):
-                step(i)
-            b.record()
-            b.synchronize()
-            per_step.append(a.elapsed_time(b) / steps)
-        else:
-            t = time.perf_counter()
-            for i in range(steps):
-                step(i)
-            per_step.append((time.perf_counter() - t) * 1e3 / steps)
+    count = iter(range(1 << 62))  # each timed call steps on the next of the 4 volumes
+    per_step = measure(lambda: step(next(count)), timer="wall", reps=reps, warmup=0, calls=steps,
+                       device=device).ms
     breakdown = step_breakdown(step, steps) if (cuda and profile) else None
     census = None
     if variant != "compiled":
         from scaffold.model.ladder import census as ladder_census
+        from scaffold.model.policy import OPS
 
-        c = ladder_census(model)
-        census = {op: c[op] for op in ("conv", "conv_transpose", "group_norm", "concat", "pool")}
+        c = ladder_census(model, train_step.loss_fn)
+        census = {op: c[op] for op in OPS}
     peak = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30 if cuda else None
-    return {"variant": variant, "step_ms_median": statistics.median(per_step), "step_ms_reps": per_step,
+    return {"variant": variant, "step_ms_median": statistics.median(per_step), "step_ms_reps": list(per_step),
             "warmup_s": warm_s, "peak_mem_gib": peak,
             "census": census, "breakdown": breakdown}
 

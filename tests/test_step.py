@@ -1,0 +1,66 @@
+"""The one training step: the trainer, its warm-up and the step benchmark all run scaffold.step.TrainStep."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_cfg
+from scaffold.bench.minibatch import make_step
+from scaffold.config import ConfigError
+from scaffold.loss import SegmentationLoss
+from scaffold.step import TrainStep, wants_graph
+from scaffold.trainer import Trainer, Volumes
+
+
+def _trainer(tmp_path) -> Trainer:
+    from scaffold.model import UNet3d
+
+    cfg = tiny_cfg(tmp_path)
+    model = UNet3d.from_config(cfg, 3)
+    g = torch.Generator().manual_seed(0)
+    vol = Volumes(torch.randint(0, 3, (3, 8, 8, 8), generator=g, dtype=torch.uint8),
+                  torch.randint(0, 3, (1, 8, 8, 8), generator=g, dtype=torch.uint8), torch.rand(3, 3))
+    return Trainer(cfg, model, SegmentationLoss([1.0, 2.0, 2.0]), vol, torch.device("cpu"), tmp_path)
+
+
+def test_the_step_benchmark_times_the_trainers_own_step(tmp_path):
+    """bench.minibatch builds a TrainStep, the trainer's type, and feeds it uint8 labels as the trainer
+    does (not an int64 copy)."""
+    trainer = _trainer(tmp_path)
+    _, bench_step, masks = make_step("ladder", 4, 8, torch.device("cpu"), n_classes=3)
+    assert type(bench_step) is type(trainer.train_step) is TrainStep
+    assert masks.dtype == trainer.vol.train.dtype == torch.uint8
+    seen = []
+    real = bench_step.loss_fn.terms
+    bench_step.loss_fn.terms = lambda logits, labels: seen.append(labels.dtype) or real(logits, labels)
+    loss, dice = bench_step(masks[0])
+    assert seen == [torch.uint8] and loss.shape == () and dice.shape == (1,)
+
+
+def test_a_step_moves_the_parameters_and_resets_the_gradients(tmp_path):
+    trainer = _trainer(tmp_path)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.step(trainer.vol.train[:1])
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+
+
+def test_warmup_runs_on_a_copy_and_changes_nothing(tmp_path):
+    trainer = _trainer(tmp_path)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    rng = torch.get_rng_state()
+    assert trainer.warmup(2) > 0
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    assert torch.equal(rng, torch.get_rng_state()) and not trainer.optimizer.state
+
+
+def test_cuda_graph_on_where_it_cannot_run_is_one_line():
+    assert wants_graph("auto", torch.device("cpu"), 1) is False
+    assert wants_graph("off", torch.device("cuda", 0), 1) is False
+    assert wants_graph("auto", torch.device("cuda", 0), 1) is True
+    assert wants_graph("auto", torch.device("cuda", 0), 2) is False
+    with pytest.raises(ConfigError, match=r"^cuda_graph='on': expected one CUDA device in one process, "
+                                          r"got device cpu"):
+        wants_graph("on", torch.device("cpu"), 1)
+    with pytest.raises(ConfigError, match="got 2 processes"):
+        wants_graph("on", torch.device("cuda", 0), 2)
