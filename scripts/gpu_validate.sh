@@ -3,7 +3,7 @@
 # under its own time limit, in priority order. Logs and JSON go to $RESULTS (default bench_results/gpu),
 # packed into $ARCHIVE_DIR/results.tgz when ARCHIVE_DIR is set (to carry them off a remote machine).
 #   scripts/gpu_validate.sh [stage ...]     stages: tests norm normsweep train minibatch
-#   breakdown loss lossprof probe conv
+#   breakdown loss losssweep probe conv
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -25,13 +25,12 @@ run() {  # run NAME LIMIT_S CMD...: a stage with a limit, its log, one summary l
 for s in $stages; do
   case $s in
     tests) run tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} tests ;;
-    normsweep) run normsweep "${LIMIT_NORMSWEEP:-330}" python3 scripts/gpu_check_norm.py --stages profile sweep \
-                 --budget-s 300 --out-dir "$RESULTS/normsweep" ;;
+    normsweep) run normsweep "${LIMIT_NORMSWEEP:-330}" python3 -m scaffold.bench.tune_norm --scales 7 \
+                 --out "$RESULTS/norm_tiles.json" ;;
     breakdown) run breakdown "${LIMIT_BREAKDOWN:-200}" python3 -m scaffold.bench.minibatch --scale 7 \
                  --variants "${VARIANTS:-ladder,vendor}" --steps "${MB_STEPS:-5}" --reps "${MB_REPS:-3}" \
                  --breakdown --out "$RESULTS/breakdown.json" ;;
-    norm) run norm "${LIMIT_NORM:-200}" python3 scripts/gpu_check_norm.py --stages check xproc bench \
-            --scales 7 8 --budget-s "${NORM_BUDGET:-150}" --out-dir "$RESULTS/norm" ;;
+    norm) run norm "${LIMIT_NORM:-200}" python3 -m scaffold.bench.norm --scales 7 8 --out "$RESULTS/norm.json" ;;
     train) run train "${LIMIT_TRAIN:-200}" python3 -m scaffold.train scale=7 epochs=2 progress=false \
              hydra.run.dir="$RESULTS/train_run" ;;
     minibatch) run minibatch "${LIMIT_MINIBATCH:-240}" python3 -m scaffold.bench.minibatch --scale 7 \
@@ -39,7 +38,7 @@ for s in $stages; do
                  --reps "${MB_REPS:-5}" --out "$RESULTS/minibatch.json" ;;
     loss) run loss 90 python3 -m scaffold.bench.loss --out "$RESULTS/loss.json" ;;
     probe) run probe 120 python3 -m scaffold.bench.determinism --scale 7 --out "$RESULTS/determinism.json" ;;
-    lossprof) run lossprof 90 python3 scripts/gpu_profile_loss.py --out "$RESULTS/loss_profile.json" ;;
+    losssweep) run losssweep 90 python3 -m scaffold.bench.tune_loss --out "$RESULTS/loss_plans.json" ;;
     conv) run conv "${LIMIT_CONV:-300}" python3 -m scaffold.bench.conv --scale 7 --out "$RESULTS/conv.json" ;;
   esac
 done

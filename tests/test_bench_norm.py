@@ -9,7 +9,7 @@ def test_sites_follow_the_model():
     assert sum(s["count"] for s in s7) == 18  # two GroupNorms per DoubleConv, 9 DoubleConvs
     assert [(s["channels"], s["edge"]) for s in s7] == [(64, 128), (128, 64), (256, 32), (512, 16), (1024, 8)]
     s8 = nb.norm_sites(8)
-    assert sum(s["count"] for s in s8) == 22 and s8[-1] == dict(channels=2048, edge=8, count=2)
+    assert sum(s["count"] for s in s8) == 22 and s8[-1] == dict(channels=2048, edge=8, groups=8, count=2)
     assert [(s["channels"], s["edge"]) for s in nb.concat_sites(7)] == [(64, 128), (128, 64), (256, 32),
                                                                        (512, 16)]
 
@@ -32,12 +32,13 @@ def test_stream_reference_row_adds_into_the_totals(monkeypatch):
     # The reference runs its passes (here on the CPU, each timed as 1 ms) and reports what totals() sums.
     import torch
 
-    from scaffold.bench import timing
+    from scaffold.bench.timing import Timing
 
     calls = []
-    monkeypatch.setattr(timing, "graph_ms", lambda fn: (calls.append(fn()), 1.0)[1])
+    monkeypatch.setattr(nb, "measure",
+                        lambda fn, timer: (calls.append((timer, fn())), Timing((1.0,)))[1])
     x = torch.randn(1, 8, 4, 4, 4).to(torch.bfloat16)
     r = nb.stream_reference(x)
-    assert len(calls) == 2 and r["total_ms"] == 2.0
+    assert [c[0] for c in calls] == ["device", "device"] and r["total_ms"] == 2.0
     assert r["floor_ms"] == x.numel() * 2 * 5 / nb.PEAK_BYTES_PER_S * 1e3
     assert nb.totals([dict(channels=8, edge=4, count=3, stream=r)])["stream"]["total_ms"] == 6.0

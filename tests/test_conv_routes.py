@@ -1,25 +1,15 @@
 """The conv route table: the tuner writes the keys the model's sites look up, and its block rewrite."""
 import ast
-import importlib.util
-import os
 import shutil
 
 import pytest
 import torch
 
-from scaffold.bench.conv import model_sites
-from scaffold.kernels import routes
+from scaffold.bench import tune_routes
+from scaffold.bench.conv import conv_sites
+from scaffold.config import ModelConfig
+from scaffold.model import routes
 from scaffold.model import UNet3d
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _tuner():
-    spec = importlib.util.spec_from_file_location("tune_routes", os.path.join(ROOT, "scripts",
-                                                                              "tune_routes.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class _Recorder(dict):
@@ -36,7 +26,6 @@ class _Recorder(dict):
 def test_tuner_keys_are_the_keys_the_model_looks_up(monkeypatch):
     """Every conv site of a U-Net on the `routed` rung asks routes.py for exactly the key the tuner
     writes for that site (a mismatch would silently leave every site on vendor)."""
-    tuner = _tuner()
     recorder = _Recorder()
     monkeypatch.setattr(routes, "ROUTES", recorder)
     ladder = type("L", (), {"conv": "routed", "conv_transpose": "routed", "group_norm": "vendor",
@@ -44,27 +33,25 @@ def test_tuner_keys_are_the_keys_the_model_looks_up(monkeypatch):
     model = UNet3d(5, bottleneck=2, base_width=8, groups=2, n_classes=6, ladder=ladder)
     with torch.no_grad():
         model(torch.zeros(1, 3, 32, 32, 32))
-    expected = {tuner.site_key(s, "cpu", torch.float32)
-                for s in model_sites(5, base=8, bottleneck=2, classes=6)}
+    expected = {tune_routes.site_key(s, "cpu", torch.float32)
+                for s in conv_sites(5, ModelConfig(bottleneck=2, base_width=8, groups=2))}
     assert recorder.asked == expected
     assert len(expected) == 15  # 18 sites; up1b, up2b, up3b repeat inc2, down1b, down2b
 
 
 def test_choose_takes_triton_only_when_faster_by_the_margin():
-    tuner = _tuner()
-    assert tuner.choose(0.90, 1.0, 0.02) == "triton"
-    assert tuner.choose(0.99, 1.0, 0.02) == "vendor"
-    assert tuner.choose(None, 1.0, 0.02) == "vendor"
-    assert tuner.choose(1.0, None, 0.02) == "triton"
+    assert tune_routes.choose(0.90, 1.0, 0.02) == "triton"
+    assert tune_routes.choose(0.99, 1.0, 0.02) == "vendor"
+    assert tune_routes.choose(None, 1.0, 0.02) == "vendor"
+    assert tune_routes.choose(1.0, None, 0.02) == "triton"
 
 
 def test_write_routes_rewrites_only_the_block(tmp_path):
-    tuner = _tuner()
     path = tmp_path / "routes.py"
     shutil.copy(routes.__file__, path)
     before = path.read_text()
     table = {"sm90|bf16|conv|64>64|k3s1p1d1|128x128x128": ("triton", "vendor", "triton")}
-    tuner.write_routes(table, str(path))
+    tune_routes.write_routes(table, str(path))
     after = path.read_text()
     assert '"sm90|bf16|conv|64>64|k3s1p1d1|128x128x128": (\'triton\', \'vendor\', \'triton\'),' in after
     head, tail = before.split("# BEGIN ROUTES")[0], before.split("# END ROUTES")[1]
@@ -78,11 +65,8 @@ def test_table_covers_every_site_of_the_measured_models_and_nothing_else():
     """The H200 table holds exactly the site keys of the default U-Net at scales 7 and 8 (19 and 23
     distinct shapes): no key the model never asks for (a stale or mistyped key routes nothing), and no
     site of those models left to the unrouted default."""
-    from scaffold.bench.conv import distinct_sites
-
-    tuner = _tuner()
-    want = {scale: {tuner.site_key(s, "sm90", torch.bfloat16)
-                    for s, _ in distinct_sites(model_sites(scale))} for scale in (7, 8)}
+    want = {scale: {tune_routes.site_key(s, "sm90", torch.bfloat16) for s in conv_sites(scale)}
+            for scale in (7, 8)}
     assert len(want[7]) == 19 and len(want[8]) == 23
     sm90 = {k for k in routes.ROUTES if k.startswith("sm90|bf16|")}
     assert sm90 == want[7] | want[8]

@@ -4,9 +4,10 @@ Ours: `SegmentationLoss` (fp32 log-softmax once, reduction "none" + ordinary sum
 Naive: `F.cross_entropy(logits.float(), labels, weight=w)` (default "mean" reduction, atomics on CUDA)
 plus the same Dice on a separately computed softmax. Inputs are what the trainer feeds the loss: bf16
 logits as produced under autocast, batch 1, 6 classes, random labels, weights from the label counts.
-Also counts distinct loss values over repeated identical calls (1 = bitwise repeatable). On CUDA the
-first columns are as launched from Python (`do_bench`, host cost included); "device" is the same
-forward + backward replayed from a CUDA graph (scaffold/bench/timing.py): the device time alone.
+Also counts distinct loss values over repeated identical calls (1 = bitwise repeatable). The first
+columns are as launched from Python (scaffold.bench.timing's `wall` timer: CUDA events, host cost
+included; the host clock on the CPU); on CUDA "device" is the same forward + backward replayed from a
+CUDA graph (the `device` timer): the device time alone.
 
     python -m scaffold.bench.loss                     # CUDA: 128³ and 256³; CPU: 16³
     python -m scaffold.bench.loss --size 32 --out bench_results/loss.json
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from scaffold.loss import SegmentationLoss
 from scaffold.bench import write_json
+from scaffold.bench.timing import measure
+from scaffold.loss import SegmentationLoss
 
 CLASSES = 6
 
@@ -35,34 +36,25 @@ def naive_loss(head: SegmentationLoss, logits: torch.Tensor, labels: torch.Tenso
     return ce + (1 - head._dice(x.softmax(1)[:, 1:], target).mean())
 
 
-def _median_ms_cpu(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
-def _median_ms_cuda(fn, reps: int) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=max(reps, 20), return_mode="median"))
-
-
 def _distinct(fn, calls: int) -> int:
     return torch.stack([fn().detach() for _ in range(calls)]).unique().numel()
 
 
 def parse_tile(text: str | None):
-    """'128,8,4,rows' -> (128, 8, 4, 'rows'): a fused-kernel plan to time beside the default."""
+    """'128,8,4,rows' -> seg_loss.LossTile(128, 8, 4, 'rows'): a fused-kernel plan to time beside the
+    default."""
     if not text:
         return None
+    from scaffold.kernels.seg_loss import LossTile
+
     parts = text.split(",")
-    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[:3]):
-        raise SystemExit(f"--tile {text!r}: expected VOXELS,WARPS,PER_SM[,tile|rows]")
-    return tuple(int(p) for p in parts[:3]) + tuple(parts[3:])
+    try:
+        if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[:3]):
+            raise ValueError
+        return LossTile(*(int(p) for p in parts[:3]), *parts[3:])
+    except ValueError:
+        raise SystemExit(f"--tile {text!r}: expected VOXELS,WARPS,PER_SM[,tile|rows|unrolled]"
+                         ) from None
 
 
 def bench_size(edge: int, device: torch.device, reps: int, repeats: int, compile_head: bool,
@@ -86,25 +78,20 @@ def bench_size(edge: int, device: torch.device, reps: int, repeats: int, compile
 
         forms["ours_tile"] = lambda: seg_loss.seg_loss_terms(logits, labels, head.weight, head.eps,
                                                              tile=tile)[0]
-    timer = _median_ms_cuda if device.type == "cuda" else _median_ms_cpu
     row: dict = {"edge": edge, "voxels": edge**3}
     for name, loss_fn in forms.items():
         def step(loss_fn=loss_fn):
             torch.autograd.grad(loss_fn(), logits)
 
-        medians = [timer(step, reps) for _ in range(repeats)]
+        medians = [measure(step, reps=reps, device=device).median for _ in range(repeats)]
         row[name] = {"median_ms": statistics.median(medians), "min_ms": min(medians),
                      "max_ms": max(medians), "distinct_values_per_100": _distinct(loss_fn, 100)}
         if device.type == "cuda":
-            from scaffold.bench.timing import graph_ms
-
             # Device time alone (CUDA-graph replays): what the step pays when its host runs ahead.
-            row[name]["device_ms"] = statistics.median(graph_ms(step) for _ in range(repeats))
+            row[name]["device_ms"] = statistics.median(measure(step, timer="device").median
+                                                       for _ in range(repeats))
     row["speedup"] = row["naive"]["median_ms"] / row["ours"]["median_ms"]
     return row
-
-
-
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -112,12 +99,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--size", type=int, nargs="+", help="volume edges (default: 128 256 on CUDA, "
                         "16 on the CPU)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--reps", type=int, default=100, help="timed calls per measurement (CPU) / "
-                        "milliseconds of timing per measurement (CUDA)")
+    parser.add_argument("--reps", type=int, default=100, help="timed calls per measurement")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per form; the median is kept")
     parser.add_argument("--compile", action="store_true", help="torch.compile our loss head")
     parser.add_argument("--tile", default=None, help="also time the fused kernel at this plan: "
-                        "VOXELS,WARPS,PER_SM[,tile|rows] (the row 'ours_tile' of the JSON)")
+                        "VOXELS,WARPS,PER_SM[,tile|rows|unrolled] (the row 'ours_tile' of the JSON)")
     parser.add_argument("--out", default="bench_results/loss.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

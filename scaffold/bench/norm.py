@@ -2,18 +2,19 @@
 
     python -m scaffold.bench.norm [--scales 7 8] [--out norm.json] [--no-compile]
 
-Every site runs as the model runs it: bf16 channels-last input, bf16 autocast, 8 groups, ReLU after the
-norm. Methods, all measured in the same process on the same inputs:
+The sites are the model's own (scaffold.bench.sites), each run as the model runs it: bf16 channels-last
+input, bf16 autocast, the model's groups, ReLU after the norm. Methods, all measured in the same process
+on the same inputs:
   aten         F.group_norm then F.relu (autocast runs group_norm in fp32: fp32 output)
   compile      the same two calls through torch.compile
   triton       scaffold.kernels.groupnorm.group_norm (fp32 output, like ATen)
   triton_bf16  the same writing bf16 (what the next convolution casts to anyway), so dy is bf16 too
 Forward is timed with autograd recording (as in training); backward is the gradient of x, weight and bias.
-Each number is the median over repetitions with the L2 cache flushed before each. On CUDA the table gives
-device time (the call captured once in a CUDA graph and replayed: what a training step pays when its host
-runs ahead, as the trainer's does); the JSON also holds `wall_*` figures, the call as launched from
-Python, host launch cost included (scaffold/bench/timing.py). The backward's device time is that of
-forward + backward captured together minus the forward's. Achieved bandwidth
+Each number is the median over repetitions with the L2 cache flushed before each (scaffold.bench.timing).
+On CUDA the table gives device time (the call captured once in a CUDA graph and replayed: what a
+training step pays when its host runs ahead, as the trainer's does); the JSON also holds `wall_*`
+figures, the call as launched from Python, host launch cost included. The backward's device time is
+that of forward + backward captured together minus the forward's. Achieved bandwidth
 counts the fewest bytes each direction must move (each input read once, each output written once)
 against the 4.8 TB/s of an H200. Concat sites: torch.cat then the cast to bf16 (stock autocast: cat
 promotes to fp32, the consumer casts) against one Triton kernel, forward and backward.
@@ -26,52 +27,43 @@ two-pass algorithm on this device, beside the 4.8 TB/s datasheet floor.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+
 from scaffold.bench import write_json
+from scaffold.bench.sites import distinct, model_sites
+from scaffold.bench.timing import measure
+from scaffold.config import ModelConfig
 
 PEAK_BYTES_PER_S = 4.8e12
-GROUPS = 8
 EPS = 1e-5
-BASE_WIDTH = 64
-BOTTLENECK = 3
 CL = torch.channels_last_3d
 
 
 def norm_sites(scale: int) -> list[dict]:
-    """Distinct GroupNorm shapes of the model and how many sites have each: two per DoubleConv, a
-    DoubleConv per level on the way down and on the way up, the bottleneck's only once."""
-    levels = scale - BOTTLENECK
-    return [dict(channels=BASE_WIDTH * 2**i, edge=2 ** (scale - i), count=4 if i < levels else 2)
-            for i in range(levels + 1)]
+    """Distinct GroupNorm shapes of the model, in forward order, and how many sites have each."""
+    return [dict(channels=s.cin, edge=s.edge, groups=s.groups, count=s.count)
+            for s in distinct(model_sites(scale, ("group_norm",)))]
 
 
 def concat_sites(scale: int) -> list[dict]:
-    """One skip concat per Up block: the skip (width w) and the upsampled tensor (also w) at one edge."""
-    levels = scale - BOTTLENECK
-    return [dict(channels=BASE_WIDTH * 2**i, edge=2 ** (scale - i), count=1) for i in range(levels)]
+    """The skip concats (the skip and the upsampled tensor have one width and edge), narrowest first
+    as the GroupNorm rows."""
+    sites = distinct(model_sites(scale, ("concat",)))
+    return sorted((dict(channels=s.cin, edge=s.edge, count=s.count) for s in sites),
+                  key=lambda site: site["channels"])
 
 
-def median_ms(fn, budget_ms: float = 400.0, min_reps: int = 5, max_reps: int = 50) -> float:
-    """Median time of fn() in ms as launched: warmed up, L2 flushed before each repetition, CUDA events,
-    about `budget_ms` of repetitions (a host clock on the CPU, where this only serves as a smoke test)."""
-    if not torch.cuda.is_available():
-        fn()
-        times = []
-        for _ in range(min_reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    from scaffold.bench.timing import timed_ms
+def wall_ms(fn) -> float:
+    """Median ms of fn() as launched from Python (the host clock on the CPU, a smoke test only)."""
+    return measure(fn, device=_device()).median
 
-    fn()
-    torch.cuda.synchronize()
-    once = timed_ms(fn, 1)
-    return timed_ms(fn, int(min(max_reps, max(min_reps, budget_ms / max(once, 1e-3)))))
+
+def device_ms(fn) -> float:
+    """Median device ms of fn() from CUDA-graph replays."""
+    return measure(fn, timer="device").median
 
 
 def _failure(exc: Exception) -> str:
@@ -83,8 +75,8 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _aten(x, w, b):
-    return F.relu(F.group_norm(x, GROUPS, w, b, EPS), inplace=True)
+def _aten(x, w, b, groups):
+    return F.relu(F.group_norm(x, groups, w, b, EPS), inplace=True)
 
 
 def norm_methods(compile_too: bool) -> dict:
@@ -92,8 +84,9 @@ def norm_methods(compile_too: bool) -> dict:
 
     methods = {
         "aten": _aten,
-        "triton": lambda x, w, b: group_norm(x, GROUPS, w, b, EPS, True),
-        "triton_bf16": lambda x, w, b: group_norm(x, GROUPS, w, b, EPS, True, out_dtype=torch.bfloat16),
+        "triton": lambda x, w, b, groups: group_norm(x, groups, w, b, EPS, True),
+        "triton_bf16": lambda x, w, b, groups: group_norm(x, groups, w, b, EPS, True,
+                                                          out_dtype=torch.bfloat16),
     }
     if compile_too:
         # The timing replays one backward graph many times (retain_graph): no donated buffers.
@@ -109,7 +102,7 @@ def norm_methods(compile_too: bool) -> dict:
 
 
 def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
-    C, edge = site["channels"], site["edge"]
+    C, edge, G = site["channels"], site["edge"], site["groups"]
     g = torch.Generator(device=_device()).manual_seed(seed)
     x = torch.randn((1, C, edge, edge, edge), generator=g, device=_device()).to(torch.bfloat16)
     x = x.contiguous(memory_format=CL).requires_grad_()
@@ -121,20 +114,20 @@ def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
         r: dict = {}
         if torch.cuda.is_available():
             try:  # device time first, on leaves of its own (see _graph_fwd_bwd)
-                r.update(_graph_fwd_bwd(lambda xs, ws, bs, fn=fn: fn(xs, ws, bs), (x, w, b)))
+                r.update(_graph_fwd_bwd(lambda xs, ws, bs, fn=fn: fn(xs, ws, bs, G), (x, w, b)))
             except Exception as exc:
                 r["graph_error"] = _failure(exc)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         try:
             with torch.autocast(_device(), dtype=torch.bfloat16):
-                y = fn(x, w, b)
+                y = fn(x, w, b, G)
             dy = torch.randn(y.shape, generator=g, device=_device(), dtype=y.dtype)
             dy = dy.contiguous(memory_format=CL)
 
             def fwd():
                 with torch.autocast(_device(), dtype=torch.bfloat16):
-                    return fn(x, w, b)
+                    return fn(x, w, b, G)
 
             def bwd():
                 torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
@@ -143,7 +136,7 @@ def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
             # Fewest bytes: forward reads x, writes y; backward reads x and dy, writes dx.
             floor_bytes = elems * (2 + out_bytes) + elems * (2 + out_bytes + 2)
             r["floor_ms"] = floor_bytes / PEAK_BYTES_PER_S * 1e3
-            wf, wb = median_ms(fwd), median_ms(bwd)  # as launched from Python, host cost included
+            wf, wb = wall_ms(fwd), wall_ms(bwd)  # as launched from Python, host cost included
             r.update(wall_fwd_ms=wf, wall_bwd_ms=wb, wall_total_ms=wf + wb)
             if "total_ms" not in r:
                 r.update(fwd_ms=wf, bwd_ms=wb, total_ms=wf + wb)
@@ -163,8 +156,6 @@ def bench_norm_site(site: dict, methods: dict, seed: int = 0) -> dict:
 
 def stream_reference(x: torch.Tensor) -> dict:
     """Device time of the GroupNorm's passes made by ATen's streaming kernels (see the module doc)."""
-    from scaffold.bench.timing import graph_ms
-
     x = x.detach()
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dy = torch.randn_like(x)
@@ -178,7 +169,7 @@ def stream_reference(x: torch.Tensor) -> dict:
         dy.sum(dtype=torch.float32)
         torch.add(x, dy, out=dx)
 
-    f, b = graph_ms(fwd), graph_ms(bwd)
+    f, b = device_ms(fwd), device_ms(bwd)
     floor_bytes = x.numel() * x.element_size() * 5  # the bf16 GroupNorm's: x, y; x, dy, dx
     return dict(fwd_ms=f, bwd_ms=b, total_ms=f + b, floor_ms=floor_bytes / PEAK_BYTES_PER_S * 1e3)
 
@@ -187,8 +178,6 @@ def _graph_fwd_bwd(fn, inputs: tuple) -> dict:
     """Device time of fn's forward and of forward + backward, from CUDA-graph replays. The inputs are
     re-made as fresh leaves here: autograd nodes created on another stream, kept alive by an earlier
     output, would make the captured backward synchronise with the default stream (a capture error)."""
-    from scaffold.bench.timing import graph_ms
-
     leaves = tuple(t.detach().clone().requires_grad_() for t in inputs)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         shape_dtype = fn(*leaves)
@@ -204,8 +193,8 @@ def _graph_fwd_bwd(fn, inputs: tuple) -> dict:
     def fwd_bwd():  # the backward must follow a forward captured with it
         torch.autograd.grad(fwd(), leaves, dy)
 
-    gf = graph_ms(fwd)
-    gfb = graph_ms(fwd_bwd)
+    gf = device_ms(fwd)
+    gfb = device_ms(fwd_bwd)
     return dict(fwd_ms=gf, bwd_ms=max(gfb - gf, 0.0), total_ms=gfb)
 
 
@@ -236,8 +225,8 @@ def bench_concat_site(site: dict, seed: int = 0) -> dict:
             dy = dy.contiguous(memory_format=CL)
             floor_bytes = 2 * (a.numel() * a.element_size() + b.numel() * 2 + out.numel() * 2)
             r = dict(floor_ms=floor_bytes / PEAK_BYTES_PER_S * 1e3)
-            wf = median_ms(lambda: fn(a, b))
-            wb = median_ms(lambda: torch.autograd.grad(out, (a, b), dy, retain_graph=True))
+            wf = wall_ms(lambda: fn(a, b))
+            wb = wall_ms(lambda: torch.autograd.grad(out, (a, b), dy, retain_graph=True))
             r.update(wall_fwd_ms=wf, wall_bwd_ms=wb, wall_total_ms=wf + wb)
             if torch.cuda.is_available():
                 try:
@@ -286,9 +275,6 @@ def format_table(title: str, rows: list[dict], methods: list[str]) -> str:
     return "\n".join(lines)
 
 
-
-
-
 def run(scales: list[int], compile_too: bool = True, deadline: float = float("inf")) -> dict:
     """Benchmarks every site of each scale; sites not started by `deadline` (a time.time() value) are
     listed as skipped, so a time-limited run still reports what it measured."""
@@ -323,9 +309,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     args = p.parse_args(argv)
-    bad = [s for s in args.scales if not BOTTLENECK < s <= 9]
+    bottleneck = ModelConfig().bottleneck
+    bad = [s for s in args.scales if not bottleneck < s <= 9]
     if bad:
-        raise SystemExit(f"--scales {bad}: expected integers in {BOTTLENECK + 1}..9")
+        raise SystemExit(f"--scales {bad}: expected integers in {bottleneck + 1}..9")
     if not torch.cuda.is_available():
         raise SystemExit("scaffold.bench.norm: needs a CUDA GPU")
     result = run(args.scales, compile_too=not args.no_compile)

@@ -2,17 +2,17 @@
 
     python -m scaffold.bench.pool [--scales 7 8] [--reps 20] [--out pool.json]
 
-Every site runs as the model runs it: bf16 channels-last input, the pool in front of each Down block.
-Methods, measured in the same process on the same inputs:
+The sites are the model's own (scaffold.bench.sites: the pool in front of each Down block), each run as
+the model runs it: bf16 channels-last input. Methods, measured in the same process on the same inputs:
   triton      scaffold.kernels.pool (the `triton` rung, what `auto` runs on CUDA)
   vendor      scaffold.model.pool.max_pool2 (the `vendor` rung: torch.max over a window view, a one-hot
               backward); the same bits as triton
   max_pool3d  F.max_pool3d, for reference only: its CUDA backward scatters with atomics (refused under
               torch.use_deterministic_algorithms), so no rung runs it
-Device time (scaffold.bench.timing.graph_ms: CUDA-graph replays, L2 flushed before each), median of
-`--reps`. Forward is timed with autograd recording (as in training); backward is forward + backward
-captured together minus the forward. Bandwidth counts the fewest bytes each direction must move (x read
-and y written; dy read and dx written) against the 4.8 TB/s of an H200.
+Device time (scaffold.bench.timing's `device` timer: CUDA-graph replays, L2 flushed before each),
+median of `--reps`. Forward is timed with autograd recording (as in training); backward is forward +
+backward captured together minus the forward. Bandwidth counts the fewest bytes each direction must
+move (x read and y written; dy read and dx written) against the 4.8 TB/s of an H200.
 """
 from __future__ import annotations
 
@@ -22,18 +22,18 @@ import torch
 import torch.nn.functional as F
 
 from scaffold.bench import write_json
+from scaffold.bench.sites import distinct, model_sites
+from scaffold.bench.timing import measure
+from scaffold.config import ModelConfig
 
 PEAK_BYTES_PER_S = 4.8e12
-BASE_WIDTH = 64
-BOTTLENECK = 3
 CL = torch.channels_last_3d
 
 
 def pool_sites(scale: int) -> list[dict]:
-    """One pool per Down block: its input is the previous level's output (width w·2^i at edge
-    2^(scale - i))."""
-    return [dict(channels=BASE_WIDTH * 2**i, edge=2 ** (scale - i))
-            for i in range(scale - BOTTLENECK)]
+    """The model's distinct pool inputs, in forward order, and how many sites have each."""
+    return [dict(channels=s.cin, edge=s.edge, count=s.count)
+            for s in distinct(model_sites(scale, ("pool",)))]
 
 
 def methods() -> dict:
@@ -45,18 +45,17 @@ def methods() -> dict:
 
 
 def bench_site(site: dict, reps: int) -> dict:
-    from scaffold.bench.timing import graph_ms
-
     c, e = site["channels"], site["edge"]
     x = torch.randn(1, c, e, e, e, device="cuda").bfloat16().contiguous(memory_format=CL)
     x.requires_grad_()
     dy = torch.randn(1, c, e // 2, e // 2, e // 2, device="cuda").bfloat16()
     dy = dy.contiguous(memory_format=CL)
     big = x.numel() * x.element_size()
-    row = dict(site=f"{c}@{e}", channels=c, edge=e, fwd_bytes=big * 9 // 8, bwd_bytes=big * 9 // 8)
+    row = dict(site=f"{c}@{e}", channels=c, edge=e, count=site["count"], fwd_bytes=big * 9 // 8,
+               bwd_bytes=big * 9 // 8)
     for name, fn in methods().items():
-        fwd = graph_ms(lambda: fn(x), reps)
-        both = graph_ms(lambda: torch.autograd.grad(fn(x), x, dy), reps)
+        fwd = measure(lambda: fn(x), timer="device", reps=reps).median
+        both = measure(lambda: torch.autograd.grad(fn(x), x, dy), timer="device", reps=reps).median
         row[f"{name}_fwd_ms"] = fwd
         row[f"{name}_bwd_ms"] = max(both - fwd, 0.0)
     return row
@@ -66,7 +65,7 @@ def bench(scales: list[int], reps: int, log=print) -> dict:
     results = []
     for scale in scales:
         rows = [bench_site(s, reps) for s in pool_sites(scale)]
-        totals = {f"{m}_{d}_ms": sum(r[f"{m}_{d}_ms"] for r in rows)
+        totals = {f"{m}_{d}_ms": sum(r["count"] * r[f"{m}_{d}_ms"] for r in rows)
                   for m in methods() for d in ("fwd", "bwd")}
         results.append(dict(scale=scale, rows=rows, totals=totals))
         log(format_table(scale, rows, totals))
@@ -92,8 +91,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
-    if any(not BOTTLENECK < s <= 9 for s in args.scales):
-        raise SystemExit(f"--scales {args.scales}: expected integers in {BOTTLENECK + 1}..9")
+    bottleneck = ModelConfig().bottleneck
+    if any(not bottleneck < s <= 9 for s in args.scales):
+        raise SystemExit(f"--scales {args.scales}: expected integers in {bottleneck + 1}..9")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (device time is measured with CUDA graphs)")
     result = bench(args.scales, args.reps)

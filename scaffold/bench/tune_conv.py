@@ -1,32 +1,31 @@
 """Offline tuner for the conv tile table (run on the GPU the table is for).
 
-    python scripts/tune_conv.py --scale 7 [--sites stem,head] [--out tiles.json] [--write]
+    python -m scaffold.bench.tune_conv --scale 7 [--sites inc.conv1,outc] [--ops box,boxw]
+                                       [--out tiles.json] [--write | --print]
 
-For every distinct conv site of the model and each direction it times each candidate tile with
-triton.testing.do_bench (median), sums the times per table key (arch|dtype|op|shape class, each
-site weighted by its count in the model) and keeps the fastest candidate per key. A candidate whose
-result differs bitwise between repeated calls is disqualified (a compiler race would show so).
---ops limits the run to some table ops (e.g. box,boxw). --write rewrites the TABLE block of
-scaffold/kernels/tiles.py (temp file + rename); the run-time path never times.
+For every distinct conv site of the model (scaffold.bench.sites) and each direction it times each
+candidate tile (scaffold.bench.conv.time_ms, wall time), sums the times per table key
+(arch|dtype|op|shape class, each site weighted by its count in the model) and keeps the fastest
+candidate per key. A candidate whose result differs bitwise between repeated calls is disqualified (a
+compiler race would show so). --ops limits the run to some table ops. --write rewrites the TABLE block
+of scaffold/kernels/conv/tiles.py (found through the imported module; temp file + rename), keeping
+the keys this run did not tune; --print only prints that block. The run-time path never times.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
-import re
 import sys
-import tempfile
 
 import torch
 
-from scaffold.bench.conv import (_first, distinct_sites, model_sites, site_tensors, time_ms,
-                                 triton_calls)
-from scaffold.kernels import tiles
-from scaffold.kernels.common import arch_key
-from scaffold.kernels.conv_box import TRANSPOSED_BOX_MIN_VOXELS
-from scaffold.kernels.tiles import Tile, dtype_key, shape_class
+from scaffold.bench import rewrite_block
+from scaffold.bench.conv import conv_sites, first, site_tensors, time_ms, transposed, triton_calls
+from scaffold.kernels.conv import tiles
+from scaffold.kernels.conv.box import TRANSPOSED_BOX_MIN_VOXELS
+from scaffold.kernels.conv.tiles import Tile, shape_class
+from scaffold.kernels.lib.device import arch_key, dtype_key
 
 CANDIDATES = {
     "flat": [Tile(128, 64, 32, 4, 3), Tile(128, 64, 16, 4, 4), Tile(64, 64, 32, 4, 3),
@@ -78,31 +77,32 @@ BOXW = {
 
 def uses_box(site) -> bool:
     """Whether the launchers take the box kernels for this site (bf16, channels-last operands)."""
-    return site.kind == "conv" and site.cout % 8 == 0  # odd Cin (the stem): folded or padded
+    return not transposed(site) and site.cout % 8 == 0  # odd Cin (the stem): folded or padded
 
 
 def site_ops(site) -> dict:
     """direction -> (table op, shape class) as the launchers look them up."""
-    taps = site.k ** 3
+    taps = math.prod(site.weight[2:])
+    in_voxels, out_voxels = math.prod(site.inputs[0][2:]), math.prod(site.output[2:])
     if uses_box(site):
-        v = site.out_edge ** 3
+        v = out_voxels
         return {"fwd": ("box", shape_class(site.cin, site.cout, taps, v)),
                 "bwd_data": ("box", shape_class(site.cout, site.cin, taps, v)),
                 "bwd_weight": ("boxw", shape_class(site.cin, site.cout, taps, v))}
-    if (site.kind == "convT" and site.cin % 8 == 0 and site.cout % 16 == 0
-            and site.edge ** 3 >= TRANSPOSED_BOX_MIN_VOXELS):  # backward on the box kernels
-        v = site.edge ** 3  # input voxels: the backward passes' boxes
+    if (transposed(site) and site.cin % 8 == 0 and site.cout % 16 == 0
+            and in_voxels >= TRANSPOSED_BOX_MIN_VOXELS):  # backward on the box kernels
+        v = in_voxels  # the backward passes' boxes
         return {"fwd": ("convT", shape_class(site.cin, site.cout, taps)),
                 "bwd_data": ("box", shape_class(site.cout, site.cin, taps, v)),
                 "bwd_weight": ("boxw", shape_class(site.cout, site.cin, taps, v))}
-    if site.kind == "convT":
+    if transposed(site):
         return {"fwd": ("convT", shape_class(site.cin, site.cout, taps)),
                 "bwd_data": ("gather", shape_class(site.cout, site.cin, taps)),
                 "bwd_weight": ("wgrad", shape_class(site.cout, site.cin, taps))}
     # Cout not a multiple of 8 (the head): backward-weight on the box kernel over a padded dy
     return {"fwd": ("gather", shape_class(site.cin, site.cout, taps)),
             "bwd_data": ("gather", shape_class(site.cout, site.cin, taps)),
-            "bwd_weight": ("boxw", shape_class(site.cin, site.cout, taps, site.out_edge ** 3))}
+            "bwd_weight": ("boxw", shape_class(site.cin, site.cout, taps, out_voxels))}
 
 
 def candidates(op: str, cls: str) -> list:
@@ -116,15 +116,15 @@ def candidates(op: str, cls: str) -> list:
 
 def repeatable(call, times: int = 4) -> bool:
     """Whether `times` calls give bitwise the same result."""
-    first = _first(call()).clone()
-    return all(torch.equal(first, _first(call())) for _ in range(times - 1))
+    once = first(call()).clone()
+    return all(torch.equal(once, first(call())) for _ in range(times - 1))
 
 
 def tune(scale: int, names=None, ops=None, log=print) -> dict:
     arch, dt = arch_key(torch.device("cuda")), torch.bfloat16
     sums: dict[str, list[float]] = {}
-    for site, count in distinct_sites(model_sites(scale)):
-        if names and not any(n in site.name for n in names):
+    for site in conv_sites(scale):
+        if not site.matches(names):
             continue
         x, w, b, dy = site_tensors(site)
         calls = triton_calls(site, x, w, b, dy)
@@ -145,7 +145,7 @@ def tune(scale: int, names=None, ops=None, log=print) -> dict:
                     log(f"  {site.name} {d} {tile}: {type(e).__name__}")
                 finally:
                     tiles.FORCED.clear()
-                acc[i] += count * ms
+                acc[i] += site.count * ms
                 log(f"{site.name:28s} {d:10s} {key:28s} {tile}: {ms:.4f} ms")
         del x, w, b, dy
         torch.cuda.empty_cache()
@@ -165,45 +165,29 @@ def tune(scale: int, names=None, ops=None, log=print) -> dict:
     return table
 
 
-def rewrite_block(path: str, name: str, table: dict) -> None:
-    """Replace the generated `NAME: dict[...] = {` ... `}` / `# END NAME` block of a source file with
-    `table` (one sorted row per key), atomically (temp file + rename)."""
-    body = "".join(f'    "{k}": {tuple(v)},\n' for k, v in sorted(table.items()))
-    src = open(path).read()
-    pattern = rf"({name}: dict\[[^\n]*\] = \{{\n).*?(\}}\n# END {name})"
-    new, n = re.subn(pattern, lambda m: m.group(1) + body + m.group(2), src, flags=re.S)
-    if n != 1:
-        raise ValueError(f"{path}: no generated {name} block to rewrite")
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(new)
-    os.replace(tmp, path)
-
-
-def write_table(table: dict, path: str) -> None:
-    """Replace the TABLE block of tiles.py, atomically."""
-    rewrite_block(path, "TABLE", table)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=int, default=7)
-    p.add_argument("--sites", default="", help="comma-separated substrings of site names")
+    p.add_argument("--sites", default="", help="comma-separated substrings of the sites' module names")
     p.add_argument("--ops", default="", help="comma-separated table ops to tune (default: all)")
     p.add_argument("--out", default="", help="write the chosen table as JSON here")
-    p.add_argument("--write", action="store_true", help="rewrite the TABLE block of tiles.py")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the TABLE block of tiles.py")
+    mode.add_argument("--print", action="store_true", help="print that block, rewrite nothing")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("tune_conv: needs a CUDA GPU", file=sys.stderr)
+        print("scaffold.bench.tune_conv: needs a CUDA GPU", file=sys.stderr)
         return 2
     table = tune(args.scale, [n for n in args.sites.split(",") if n] or None,
                  [o for o in args.ops.split(",") if o] or None)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1)
-    if args.write:  # keys not tuned in this run keep their rows
-        write_table({**{k: list(v) for k, v in tiles.TABLE.items()}, **table}, tiles.__file__)
     print(json.dumps(table, indent=1))
+    if args.write or args.print:  # keys not tuned in this run keep their rows
+        block = rewrite_block(tiles.__file__, "TABLE", {**tiles.TABLE, **table}, write=args.write)
+        if args.print:
+            print(block)
     return 0
 
 

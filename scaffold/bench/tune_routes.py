@@ -1,43 +1,33 @@
-"""Offline tuner for the conv routes (scaffold/kernels/routes.py): run on the GPU the table is for.
+"""Offline tuner for the conv routes (scaffold/model/routes.py): run on the GPU the table is for.
 
-    python scripts/tune_routes.py --scale 7,8 [--reps 3] [--margin 0.02] [--timer wall|device]
-                                  [--out routes.json] [--write]
+    python -m scaffold.bench.tune_routes --scale 7,8 [--reps 3] [--margin 0.02] [--timer wall|device]
+                                         [--out routes.json] [--write | --print]
 
-For every distinct conv site of the model and each direction (forward, backward-data,
-backward-weight with the bias gradient) it times our Triton launchers and cuDNN restricted to
+For every distinct conv site of the model (scaffold.bench.sites) and each direction (forward,
+backward-data, backward-weight with the bias gradient) it times our Triton launchers and cuDNN restricted to
 deterministic algorithms without search (what the vendor rung runs in training) on the same bf16
 NDHWC operands, `--reps` rounds interleaved, and takes the median per side. `--timer wall` (the
 default) times calls as launched from Python, the host's launch cost included; `--timer device`
 times CUDA-graph replays, the device time alone: the measure for a training step whose host runs
 ahead of its device (bench.minibatch --breakdown says which one a step is). A direction goes to
 Triton when its median is below (1 - margin) × cuDNN's, else to vendor; a direction whose Triton
-call failed goes to vendor. --write rewrites the ROUTES block of routes.py (temp file + rename),
-keeping the keys this run did not measure; the run-time path never times.
+call failed goes to vendor. --write rewrites the ROUTES block of routes.py (found through the
+imported module; temp file + rename) after every site, keeping the keys this run did not measure;
+--print only prints that block at the end. The run-time path never times.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tune_conv import rewrite_block  # noqa: E402
-
-from scaffold.bench import write_json  # noqa: E402
-from scaffold.bench.conv import DIRECTIONS, bench_site, distinct_sites, model_sites  # noqa: E402
-from scaffold.kernels import routes  # noqa: E402
-from scaffold.kernels.common import arch_key  # noqa: E402
+from scaffold.bench import rewrite_block, write_json
+from scaffold.bench.conv import DIRECTIONS, bench_site, conv_sites, parse_scales, site_key
+from scaffold.model import routes
 
 SIDES = ("triton", "cudnn_det")
-
-
-def site_key(site, arch: str = "", dtype: torch.dtype = torch.bfloat16) -> str:
-    """The routes.py key of a model site (batch excluded) on `arch` (default: this GPU's)."""
-    return routes.route_key(arch or arch_key(torch.device("cuda")), dtype, site.kind, site.cin,
-                            site.cout, (site.k,) * 3, *site.geometry, (site.edge,) * 3)
 
 
 def choose(t_ms, v_ms, margin: float) -> str:
@@ -58,8 +48,8 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
     torch.backends.cudnn.benchmark = True  # the `cudnn` side; `cudnn_det` runs under its own flags
     table, rows = {}, []
     totals = {s: 0.0 for s in sides + ("routed",)}
-    for site, count in distinct_sites(model_sites(scale)):
-        if names and not any(n in site.name for n in names):
+    for site in conv_sites(scale):
+        if not site.matches(names):
             continue
         runs = [bench_site(site, rungs=sides, timer=timer) for _ in range(reps)]
         med = {}
@@ -71,12 +61,13 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
         key = site_key(site)
         table[key] = route
         for side in sides:
-            totals[side] += count * sum(med[f"{side}_{d}"] or 0.0 for d in DIRECTIONS)
+            totals[side] += site.count * sum(med[f"{side}_{d}"] or 0.0 for d in DIRECTIONS)
         chosen = [med[f"{'triton' if r == routes.TRITON else 'cudnn_det'}_{d}"] for r, d in
                   zip(route, DIRECTIONS)]
-        totals["routed"] += count * sum(c or 0.0 for c in chosen)
-        rows.append({"site": site.name, "count": count, "key": key, "route": route, "median_ms": med})
-        log(f"{site.name[:24]:24s} x{count} " + " | ".join(
+        totals["routed"] += site.count * sum(c or 0.0 for c in chosen)
+        rows.append({"site": site.name, "count": site.count, "key": key, "route": route,
+                     "median_ms": med})
+        log(f"{site.name[:24]:24s} x{site.count} " + " | ".join(
             f"{d[:6]} {_ms(med[f'triton_{d}'])}/{_ms(med[f'cudnn_det_{d}'])} -> {r}"
             for d, r in zip(DIRECTIONS, route)))
         torch.cuda.empty_cache()
@@ -94,33 +85,32 @@ def _ms(v) -> str:
     return "  n/a " if v is None else f"{v:6.3f}"
 
 
-def write_routes(table: dict, path: str) -> None:
-    """Replace the ROUTES block of routes.py, atomically."""
-    rewrite_block(path, "ROUTES", table)
+def write_routes(table: dict, path: str, write: bool = True) -> str:
+    """The ROUTES block of routes.py (at `path`) holding `table`, rewritten atomically when `write`."""
+    return rewrite_block(path, "ROUTES", table, write)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", default="7", help="comma-separated scales, e.g. 7,8")
-    p.add_argument("--sites", default="", help="comma-separated substrings of site names")
+    p.add_argument("--sites", default="", help="comma-separated substrings of the sites' module names")
     p.add_argument("--reps", type=int, default=3, help="interleaved rounds; the median is kept")
     p.add_argument("--margin", type=float, default=0.02,
                    help="Triton must be this fraction faster than cuDNN to take a direction")
     p.add_argument("--timer", default="wall", choices=("wall", "device"),
                    help="wall: as launched from Python; device: CUDA-graph replays (device time)")
     p.add_argument("--out", default="", help="write the routes and timings as JSON here")
-    p.add_argument("--write", action="store_true", help="rewrite the ROUTES block of routes.py")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the ROUTES block of routes.py")
+    mode.add_argument("--print", action="store_true", help="print that block, rewrite nothing")
     p.add_argument("--baseline", action="store_true",
                    help="also time cuDNN with algorithm search, for the report")
     args = p.parse_args(argv)
-    try:
-        scales = [int(s) for s in args.scale.split(",") if s]
-    except ValueError:
-        p.error(f"--scale={args.scale!r}: expected comma-separated integers such as 7,8")
+    scales = parse_scales(p, args.scale)
     if args.reps < 1 or not 0.0 <= args.margin < 1.0:
         p.error("--reps must be >= 1 and --margin in [0, 1)")
     if not torch.cuda.is_available():
-        print("tune_routes: needs a CUDA GPU", file=sys.stderr)
+        print("scaffold.bench.tune_routes: needs a CUDA GPU", file=sys.stderr)
         return 2
     names = [n for n in args.sites.split(",") if n] or None
     table, reports = {}, []
@@ -139,6 +129,8 @@ def main(argv=None) -> int:
         table.update(t)
         reports.append(report)
     save({})
+    if args.print:
+        print(write_routes({**routes.ROUTES, **table}, routes.__file__, write=False))
     return 0
 
 
