@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from scaffold.files import atomic_open
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,8 @@ class CheckpointError(RuntimeError):
 def save(path: Path, state: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb") as f:
         torch.save({"format": FORMAT_VERSION, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def mark_best(folder: Path) -> None:

@@ -10,10 +10,10 @@ import csv
 import io
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from scaffold.files import atomic_open, write_text
 from scaffold.stats import read_rows
 
 log = logging.getLogger("scaffold")
@@ -55,10 +55,11 @@ def plot_run(run_dir: Path) -> list[Path]:
             ax.legend()
         fig.tight_layout()
         out = run_dir / name
-        tmp = run_dir / (name + ".tmp.png")
-        fig.savefig(tmp)
-        plt.close(fig)
-        os.replace(tmp, out)
+        try:
+            with atomic_open(out, "wb") as f:
+                fig.savefig(f, format="png")
+        finally:
+            plt.close(fig)
         written.append(out)
     return written
 
@@ -87,8 +88,8 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
             row["overrides"] = " ".join(run.get("overrides", []))
             row["status"] = "failed"
         rows.append(row)
-    _write_atomic(sweep_dir / "summary.csv", _as_csv(rows))
-    _write_atomic(sweep_dir / "summary.md", _as_markdown(rows))
+    write_text(sweep_dir / "summary.csv", _as_csv(rows))
+    write_text(sweep_dir / "summary.md", _as_markdown(rows))
     return rows
 
 
@@ -118,12 +119,6 @@ def _as_markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(c)) for c in SUMMARY_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 try:  # the Hydra callback; the rest of this module works without Hydra

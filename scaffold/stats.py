@@ -22,6 +22,7 @@ import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
+from scaffold.files import atomic_open
 
 UPSTREAM_COLUMNS = (
     "epoch", "epoch_loss", "overall_loss", "val_loss_epoch", "val_loss_avg", "train_dice", "val_dice",
@@ -55,15 +56,11 @@ class StatsFile:
         self._write_atomic(rows)
 
     def _write_atomic(self, rows: Iterable[dict[str, str]]) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
+        with atomic_open(self.path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(COLUMNS)
             for row in rows:
                 writer.writerow([row.get(c, "") for c in COLUMNS])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
 
     def append(self, row: dict[str, Any]) -> None:
         missing = [c for c in COLUMNS if c not in row]

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import pathlib
-import secrets
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ import h5py
 import numpy as np
 
 from .. import __version__
+from ..files import atomic_path
 from ..config import ConfigError, validate_data
 from .generate import iter_volumes, resolve_workers
 from .library import classes_digest, classes_for
@@ -130,34 +130,25 @@ def _write(path: pathlib.Path, plan: Plan, key: dict, workers: int, progress: bo
     """Generate the dataset into a temporary file next to `path`, then rename it into place."""
     edge, n_classes = plan.edge, len(plan.classes) + 1
     sizes = {"train": plan.n_train, "val": plan.n_val}
-    # A name unique to this process (h5py creates it with the usual umask-based permissions).
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format_version"] = FORMAT_VERSION
-            f.attrs["package_version"] = __version__
-            f.attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-            f.attrs["config"] = json.dumps(key, sort_keys=True)
-            masks = {split: f.create_dataset(f"{split}/masks", shape=(n, edge, edge, edge),
-                                             dtype=np.uint8, chunks=(1, edge, edge, edge),
-                                             compression="gzip", compression_opts=4)
-                     for split, n in sizes.items()}
-            counts = np.zeros(n_classes, dtype=np.int64)
-            for index, volume in enumerate(iter_volumes(plan, workers, progress)):
-                split, row = ("train", index) if index < plan.n_train else ("val", index - plan.n_train)
-                # The workers already deflated the chunk exactly as the gzip filter would store it.
-                masks[split].id.write_direct_chunk((row, 0, 0, 0), volume.chunk)
-                if split == "train":
-                    counts += volume.counts
-            f.create_dataset("palette", data=make_palette(len(plan.classes), plan.seed))
-            f.create_dataset("class_counts", data=counts)
-            f.attrs["complete"] = True
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["package_version"] = __version__
+        f.attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        f.attrs["config"] = json.dumps(key, sort_keys=True)
+        masks = {split: f.create_dataset(f"{split}/masks", shape=(n, edge, edge, edge),
+                                         dtype=np.uint8, chunks=(1, edge, edge, edge),
+                                         compression="gzip", compression_opts=4)
+                 for split, n in sizes.items()}
+        counts = np.zeros(n_classes, dtype=np.int64)
+        for index, volume in enumerate(iter_volumes(plan, workers, progress)):
+            split, row = ("train", index) if index < plan.n_train else ("val", index - plan.n_train)
+            # The workers already deflated the chunk exactly as the gzip filter would store it.
+            masks[split].id.write_direct_chunk((row, 0, 0, 0), volume.chunk)
+            if split == "train":
+                counts += volume.counts
+        f.create_dataset("palette", data=make_palette(len(plan.classes), plan.seed))
+        f.create_dataset("class_counts", data=counts)
+        f.attrs["complete"] = True
 
 
 def prepare(data_cfg: Any, scale: int, seed: int, progress: bool = True) -> pathlib.Path:
