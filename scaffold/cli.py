@@ -18,7 +18,7 @@ from scaffold.config import RETIRED_MORE_DETERMINISM, Config, ConfigError, valid
 
 # Keys a resumed run may change: they do not alter what has been computed so far.
 RESUME_MUTABLE = {"epochs", "target_dice", "checkpoint_interval", "progress", "profile", "device",
-                  "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph"}
+                  "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph", "parallel.timeout_s"}
 
 
 def conf_dir() -> str:

@@ -86,6 +86,14 @@ class LadderConfig:
 
 
 @dataclass
+class ParallelConfig:
+    timeout_s: float = 300.0
+    """Seconds a collective (an all-reduce, a barrier) waits for the other ranks before the job fails
+    with an error instead of hanging: bounds how long the survivors of a dead rank wait. Multi-process
+    runs only (torchrun / Slurm)."""
+
+
+@dataclass
 class Config:
     scale: int = 4
     """log2 of the volume edge: 4 = 16³ (CPU quickstart), 7 = 128³ (GPU benchmark)."""
@@ -126,6 +134,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ladder: LadderConfig = field(default_factory=LadderConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 DETERMINISM_MODES = ("default", "strict", "off")
@@ -215,6 +224,7 @@ def validate(cfg: Any) -> None:
         _need(value in settings(key), f"ladder.{key}", " | ".join(settings(key)), value)
     n_train = dataset_sizes(cfg.data)[0]
     _need(cfg.batch_size <= n_train, "batch_size", f"at most the {n_train} training volumes", cfg.batch_size)
+    _need(cfg.parallel.timeout_s > 0, "parallel.timeout_s", "a number of seconds > 0", cfg.parallel.timeout_s)
     o = cfg.optim
     _need(o.grad_clip >= 0, "optim.grad_clip", "a number >= 0 (0 disables)", o.grad_clip)
     _need(o.t0 > 0, "optim.t0", "a positive integer", o.t0)

@@ -3,12 +3,18 @@
 Under torchrun (or Slurm with the usual RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR variables) the process group
 is initialised from the environment: NCCL on CUDA, gloo on the CPU. A single process needs none of it.
 Reductions take and return device tensors and never read them back to the host.
+
+Failure is bounded: every collective waits at most `timeout_s` for the other ranks (the process group's
+timeout; NCCL's watchdog then aborts the process), and torchrun's agent ends the other ranks as soon as
+one exits with an error, so a dead or failing rank never leaves the job hanging.
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,31 +25,74 @@ class Place:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    joined: bool = False  # in a process group (launched by torchrun/Slurm, even with one process)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init(device_kind: str) -> Place:
-    """Join the process group when launched by torchrun/Slurm; a lone process gets Place()."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+def init(device_kind: str, timeout_s: float = 300.0) -> Place:
+    """Join the process group when launched by torchrun/Slurm (RANK and WORLD_SIZE set; one process
+    too, so that `torchrun --nproc-per-node=1` runs the data-parallel path); a lone process gets Place()."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return Place()
+    world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         backend = "nccl" if device_kind == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend)
-    return Place(rank=rank, world=world, local_rank=local_rank)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Place(rank=rank, world=world, local_rank=local_rank, joined=True)
 
 
 def all_reduce_sum(t: torch.Tensor, place: Place) -> torch.Tensor:
     if place.world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def fingerprint(tensors) -> str:
+    """A short hash of tensors' bytes (read to the host: start-up checks only, never in a step)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_same(value: str, what: str, place: Place) -> None:
+    """Raises on every rank when `value` differs between ranks (e.g. a parameter fingerprint)."""
+    if place.world <= 1:
+        return
+    values: list[Optional[str]] = [None] * place.world
+    dist.all_gather_object(values, value)
+    if len(set(values)) > 1:
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        raise RuntimeError(f"{what} differs between ranks: rank 0 has {values[0]}, ranks {differ} differ")
+
+
+def agree(error: Optional[BaseException], place: Place) -> None:
+    """Meets every rank (a barrier) and raises on all of them when any rank brings an error: a check that
+    only some ranks ran (rank 0 probing the run directory, the leaders generating the dataset) then
+    fails the whole job at once, with the first rank's one-line message, instead of leaving the other
+    ranks waiting for a collective that never comes."""
+    from scaffold.config import ConfigError
+
+    if place.world <= 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (isinstance(error, ConfigError), str(error).splitlines()[0])
+    everyone: list[Any] = [None] * place.world
+    dist.all_gather_object(everyone, mine)
+    for rank, got in enumerate(everyone):
+        if got is not None:
+            is_config, message = got
+            if rank == place.rank and error is not None:
+                raise error
+            raise (ConfigError(message) if is_config else RuntimeError(f"rank {rank}: {message}"))
 
 
 def broadcast_object(obj: Any, place: Place) -> Any:
@@ -63,6 +112,6 @@ def barrier(place: Place) -> None:
 def shutdown(place: Place) -> None:
     """Leave the group together: a rank that tears down while another still works (rank 0 writing
     figures and results) can leave the group's teardown waiting forever."""
-    if place.world > 1 and dist.is_initialized():
+    if place.joined and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

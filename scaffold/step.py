@@ -51,12 +51,14 @@ def make_optimizer(params, cfg: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.optim.weight_decay)
 
 
-def wants_graph(mode: str, device: torch.device, world: int) -> bool:
-    """Whether a run captures its step (`cuda_graph`): auto/on on one CUDA device in one process.
-    `on` where that cannot be is a ConfigError, raised before any work."""
-    possible = device.type == "cuda" and world == 1
+def wants_graph(mode: str, device: torch.device, world: int, data_parallel: bool = False) -> bool:
+    """Whether a run captures its step (`cuda_graph`): auto/on on one CUDA device in one process outside
+    a process group (DDP's all-reduce is not captured). `on` where that cannot be is a ConfigError,
+    raised before any work."""
+    possible = device.type == "cuda" and world == 1 and not data_parallel
     if mode == "on" and not possible:
-        where = f"{world} processes" if world > 1 else f"device {device}"
+        where = (f"{world} processes" if world > 1 else "a data-parallel process group" if data_parallel
+                 else f"device {device}")
         raise ConfigError(f"cuda_graph='on': expected one CUDA device in one process, got {where} "
                           "(use cuda_graph=auto or off)")
     return mode != "off" and possible

@@ -162,9 +162,14 @@ class Trainer:
         return self.train_step(masks)
 
     def batch_order(self, epoch: int) -> torch.Tensor:
-        """This rank's sample order for an epoch, on the device: a pure function of (seed, epoch)."""
+        """This rank's sample order for an epoch, on the device: a pure function of (seed, epoch, rank,
+        world). Every rank gets the same number of samples, so every rank takes the same number of
+        optimizer steps (DDP's all-reduce never waits for a rank that has run out): the remainder of
+        the training set over the world size is dropped for the epoch, the tail of that epoch's
+        permutation, so a different few samples sit out each epoch and none is counted twice."""
         g = torch.Generator().manual_seed(determinism.derive_seed(self.cfg.seed, "sampler", epoch))
-        order = torch.randperm(self.vol.train.shape[0], generator=g)[self.place.rank::self.place.world]
+        n, world = self.vol.train.shape[0], self.place.world
+        order = torch.randperm(n, generator=g)[: n - n % world][self.place.rank::world]
         if self.device.type == "cuda":
             return order.pin_memory().to(self.device, non_blocking=True)
         return order
@@ -203,18 +208,23 @@ class Trainer:
         return per_sample_loss(self.loss_fn, logits, masks), hard_dice(logits, masks, self.n_classes)
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Sums of per-sample validation loss and hard Dice over this rank's share, on the device."""
-        self.net.eval()
-        val = self.vol.val[self.place.rank::self.place.world]
-        loss_sum = torch.zeros((), device=self.device)
-        dice_sum = torch.zeros((), device=self.device)
-        for i in range(0, val.shape[0], self.cfg.batch_size):
-            loss, dice = self.eval_batch(self.net, val[i:i + self.cfg.batch_size])
-            loss_sum += loss.sum()
-            dice_sum += dice.sum()
-        self.net.train()
-        return loss_sum, dice_sum, val.shape[0]
+    def evaluate(self) -> torch.Tensor:
+        """Per-sample validation loss and hard Dice, (2, n_val) on the device: this rank's samples
+        (rank, rank + world, ..., no padding) in their own columns, zeros elsewhere. Summed over ranks
+        (`fit`), every rank holds every value bit for bit (each column has one contributor, and
+        x + 0 = x), so the epoch's means are summed over the same vector in the same order as in one
+        process: exact global means at any world size."""
+        model = self.model  # unwrapped: ranks evaluate different counts, so no collective may run
+        model.eval()
+        n, bs = self.vol.val.shape[0], self.cfg.batch_size
+        out = torch.zeros(2, n, device=self.device)
+        mine = torch.arange(self.place.rank, n, self.place.world, device=self.device)
+        for i in range(0, mine.shape[0], bs):
+            positions = mine[i:i + bs]
+            loss, dice = self.eval_batch(model, self.vol.val.index_select(0, positions))
+            out.index_copy_(1, positions, torch.stack([loss, dice]).float())
+        model.train()
+        return out
 
     # ------------------------------------------------------------------------ before the first epoch
     def warmup(self, steps: int) -> float:
@@ -273,13 +283,14 @@ class Trainer:
             t0 = time.perf_counter()
             with profiler or nullcontext():
                 tr = self.train_epoch(epoch, profiler)
-            vloss, vdice, nval = self.evaluate()
-            # The one read of the epoch: every sum, reduced over ranks, in one transfer.
-            sums = torch.stack([tr.loss, tr.dice, vloss, vdice,
-                                torch.tensor(float(tr.samples), device=self.device),
-                                torch.tensor(float(nval), device=self.device)])
-            loss_sum, dice_sum, vloss_sum, vdice_sum, n_train, n_val = \
-                distributed.all_reduce_sum(sums, self.place).tolist()
+            val = self.evaluate()
+            # The one reduction and the one read of the epoch: the training sums of every rank and
+            # the validation values of every sample, summed over ranks in one all-reduce.
+            reduced = distributed.all_reduce_sum(torch.cat([torch.stack([tr.loss, tr.dice]), val.flatten()]),
+                                                 self.place)
+            sums = torch.cat([reduced[:2], reduced[2:].view(2, -1).sum(1)])
+            loss_sum, dice_sum, vloss_sum, vdice_sum = sums.tolist()
+            n_train, n_val = tr.samples * self.place.world, val.shape[1]
             step_ms = tr.timer.median_ms()
             self.scheduler.step()
             duration = time.perf_counter() - t0

@@ -7,8 +7,10 @@ is generated or the model is built.
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import logging
 import platform
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -43,13 +45,21 @@ def pick_device(name: str, place: distributed.Place) -> torch.device:
 
 
 def check_writable(run_dir: Path) -> None:
+    """The run directory exists and takes a new file (a probe under a name unique to this process)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_probe"
-        probe.write_text("")
-        probe.unlink()
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-probe-"):
+            pass
     except OSError as e:
         raise ConfigError(f"run directory {run_dir}: not writable ({e.strerror or e})") from None
+
+
+def _attempt(fn, *args, **kwargs):
+    """(fn's result, None), or (None, the exception) for distributed.agree to share."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as e:  # noqa: BLE001 - handed to every rank by distributed.agree
+        return None, e
 
 
 def config_dict(cfg: Any) -> dict:
@@ -64,11 +74,13 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     run_dir = Path(run_dir)
     validate(cfg)
     determinism.configure(cfg.determinism)  # before anything touches CUDA
-    place = distributed.init("cuda" if str(cfg.device) != "cpu" and torch.cuda.is_available() else "cpu")
+    place = distributed.init("cuda" if str(cfg.device) != "cpu" and torch.cuda.is_available() else "cpu",
+                             cfg.parallel.timeout_s)
     device = pick_device(str(cfg.device), place)
-    use_graph = wants_graph(cfg.cuda_graph, device, place.world)
+    use_graph = wants_graph(cfg.cuda_graph, device, place.world, place.joined)
+    # Only rank 0 touches the run directory; the others learn its path and whether it works.
     run_dir = Path(distributed.broadcast_object(str(run_dir), place))
-    check_writable(run_dir)
+    distributed.agree(_attempt(check_writable, run_dir)[1] if place.is_main else None, place)
 
     n_train, _ = dataset_sizes(cfg.data)
     if place.world > n_train:
@@ -78,14 +90,15 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
         state, ckpt_path = checkpoint.load_latest(run_dir / "checkpoints")
         log.info("resuming from %s (epoch %d)", ckpt_path, state["epoch"])
 
-    # ---- data: rank 0 generates (or reuses) the dataset, the others then reuse it
+    # ---- data: one rank per node generates (or reuses) the dataset, the others then reuse it
     from scaffold.data.store import load_masks, prepare, read_info
 
     t0 = time.perf_counter()
-    if place.is_main:
-        path = prepare(cfg.data, cfg.scale, cfg.seed, progress=cfg.progress)
-    distributed.barrier(place)
-    if not place.is_main:
+    leader = place.local_rank == 0
+    path, error = _attempt(prepare, cfg.data, cfg.scale, cfg.seed, progress=cfg.progress and place.is_main) \
+        if leader else (None, None)
+    distributed.agree(error, place)
+    if not leader:
         path = prepare(cfg.data, cfg.scale, cfg.seed, progress=False)
     info = read_info(path)
     data_seconds = time.perf_counter() - t0
@@ -109,7 +122,7 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     check_labels(val, info.n_classes)
     volumes = Volumes(train.to(device), val.to(device), torch.from_numpy(info.palette).to(device))
     ddp = None
-    if place.world > 1:
+    if place.joined:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     trainer = Trainer(cfg, model, loss_fn, volumes, device, run_dir, place, ddp)
@@ -142,6 +155,11 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     if state:
         trainer.load_state(state)
         del state
+    # Every rank starts from the same parameters (DDP also broadcasts rank 0's at construction).
+    start = distributed.fingerprint(model.parameters()) if place.world > 1 else None
+    if start is not None:
+        log.debug("rank %d: parameter fingerprint at start %s", place.rank, start)
+        distributed.check_same(start, "the parameter fingerprint at start", place)
 
     log.info("model: UNet3d scale %d, %s parameters, on %s (%s, determinism=%s)", cfg.scale,
              f"{n_params:,}", device, "bf16 autocast" if trainer.amp_dtype else "fp32", cfg.determinism)
@@ -184,5 +202,9 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
                  "%d optimizer steps, %.1f s); results in %s", cfg.target_dice, progress.epoch,
                  progress.last_val_dice, progress.best_epoch, progress.total_steps, progress.train_time,
                  run_dir)
+    # DDP's reducer must go before its process group: destroyed afterwards (when this frame's locals
+    # are freed), it could wait forever on a group that no longer exists.
+    del trainer, ddp
+    gc.collect()
     distributed.shutdown(place)
     return result

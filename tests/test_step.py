@@ -64,3 +64,6 @@ def test_cuda_graph_on_where_it_cannot_run_is_one_line():
         wants_graph("on", torch.device("cpu"), 1)
     with pytest.raises(ConfigError, match="got 2 processes"):
         wants_graph("on", torch.device("cuda", 0), 2)
+    assert wants_graph("auto", torch.device("cuda", 0), 1, data_parallel=True) is False  # torchrun, 1 rank
+    with pytest.raises(ConfigError, match="got a data-parallel process group"):
+        wants_graph("on", torch.device("cuda", 0), 1, data_parallel=True)

@@ -1,0 +1,168 @@
+"""Data parallelism on CPU ranks (gloo on 127.0.0.1 through torchrun --standalone), every launch bounded.
+
+The dataset has 7 training and 7 validation volumes, a split that none of the world sizes 2-5 divides.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, TINY, params, same_params, stable_rows
+from scaffold.stats import read_rows
+
+UNEVEN = [*TINY, "data.n_instances=21", "data.val_fraction=0.5", "epochs=2"]  # 14 volumes: 7 + 7
+LAUNCH_TIMEOUT = 120  # seconds: a hang fails the test instead of stalling the suite
+
+
+def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("-m", "scaffold.train"),
+             timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
+    exe = shutil.which("torchrun")
+    if exe is None:
+        pytest.fail("torchrun is not on PATH (it comes with torch)")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    # --standalone: a rendezvous on a free local port, so concurrent launches never collide.
+    try:
+        return subprocess.run([exe, "--standalone", f"--nproc-per-node={nproc}", *entry, *args], cwd=cwd,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # a hang is a failure: show where each rank stood
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"torchrun with {nproc} ranks did not finish in {timeout} s:\n{err[-4000:]}")
+
+
+def _run(nproc: int, cache: Path, tmp: Path, name: str, *extra: str) -> Path:
+    res = torchrun(nproc, [*UNEVEN, f"data.cache_dir={cache}", f"hydra.run.dir={tmp / name}", *extra], tmp)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return tmp / name
+
+
+def _single_process_validation(run_dir: Path) -> tuple[float, float]:
+    """(val_loss_epoch, val_dice) of the run's last parameters, evaluated by one process with the
+    trainer's own evaluation."""
+    from omegaconf import OmegaConf
+
+    from scaffold.config import Config
+    from scaffold.data.store import load_masks, read_info
+    from scaffold.loss import SegmentationLoss, class_weights
+    from scaffold.model import UNet3d
+    from scaffold.trainer import Trainer, Volumes
+
+    record = json.loads((run_dir / "run.json").read_text())
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), record["config"])
+    info = read_info(record["dataset"])
+    model = UNet3d.from_config(cfg, info.n_classes)
+    model.load_state_dict(params(run_dir))
+    vol = Volumes(torch.from_numpy(load_masks(record["dataset"], "train")),
+                  torch.from_numpy(load_masks(record["dataset"], "val")), torch.from_numpy(info.palette))
+    trainer = Trainer(cfg, model, SegmentationLoss(class_weights(info.class_counts)), vol,
+                      torch.device("cpu"), run_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank ran (OMP_NUM_THREADS=1)
+    try:
+        loss_sum, dice_sum = trainer.evaluate().sum(1).tolist()
+    finally:
+        torch.set_num_threads(threads)
+    return loss_sum, dice_sum / vol.val.shape[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_uneven_splits_complete_with_equal_steps_and_exact_validation(world, cache, tmp_path):
+    run_dir = _run(world, cache, tmp_path, "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # one run directory, no stray files
+    rows = read_rows(run_dir / "train_stats.csv")
+    assert [int(r["epoch"]) for r in rows] == [1, 2]
+    # 7 training volumes: the remainder over the world size sits out each epoch, the rest is split evenly.
+    assert [int(r["optimizer_steps"]) for r in rows] == [(7 - 7 % world) // world] * 2
+    loss, dice = _single_process_validation(run_dir)
+    assert float(rows[-1]["val_loss_epoch"]) == loss and float(rows[-1]["val_dice"]) == dice
+
+
+@pytest.mark.slow
+def test_same_world_size_gives_the_same_bits_and_strict_equals_default(cache, tmp_path):
+    runs = [_run(3, cache, tmp_path, name, *extra) for name, extra in
+            (("a", ()), ("b", ()), ("strict", ("determinism=strict",)))]
+    for other in runs[1:]:
+        assert stable_rows(other / "train_stats.csv") == stable_rows(runs[0] / "train_stats.csv")
+        assert same_params(params(other), params(runs[0]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_a_failing_rank_ends_the_job_within_a_bound(fault, cache, tmp_path):
+    """Rank 1 dies (SIGKILL) or raises in its 5th step (epoch 2 with 3 ranks): every rank ends and the
+    launch exits non-zero naming the rank, well inside the bound, never waiting out a collective."""
+    t0 = time.monotonic()
+    res = torchrun(3, [f"{fault}=1@5", *UNEVEN, "epochs=3", f"data.cache_dir={cache}",
+                       f"hydra.run.dir={tmp_path / 'run'}", "parallel.timeout_s=60"], tmp_path,
+                   entry=(str(REPO / "tests" / "faults.py"),), timeout=120)
+    elapsed = time.monotonic() - t0
+    assert res.returncode != 0
+    assert re.search(r"rank\s*:\s*1\b", res.stderr), res.stderr[-3000:]
+    if fault == "raise":
+        assert "injected failure on rank 1 at step 5" in res.stderr
+    assert elapsed < 90, elapsed
+
+
+def test_run_directory_probe_never_races(tmp_path):
+    """Ranks (here threads) probing one run directory at once all succeed: each probe has its own name.
+    (With one shared probe name, one prober deleted another's file and the launch failed.)"""
+    from scaffold.worker import check_writable
+
+    errors = []
+
+    def probe():
+        try:
+            for _ in range(200):
+                check_writable(tmp_path / "run")
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=probe) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and list((tmp_path / "run").iterdir()) == []
+
+
+def test_rank_zero_alone_probes_and_every_rank_learns_its_failure(monkeypatch):
+    """distributed.agree: a check only rank 0 ran fails on every rank with its one-line message."""
+    from scaffold import distributed
+    from scaffold.config import ConfigError
+
+    place = distributed.Place(rank=1, world=2)
+    monkeypatch.setattr(distributed.dist, "all_gather_object",
+                        lambda out, mine: out.__setitem__(slice(None), [(True, "run directory x: not writable"),
+                                                                        mine]))
+    with pytest.raises(ConfigError, match=r"^run directory x: not writable$"):
+        distributed.agree(None, place)
+    monkeypatch.setattr(distributed.dist, "all_gather_object",
+                        lambda out, mine: out.__setitem__(slice(None), [None, mine]))
+    distributed.agree(None, place)  # nobody failed
+
+
+@pytest.mark.slow
+def test_hydra_submitit_local_launcher_runs_a_sweep(cache, tmp_path):
+    """The Slurm path without Slurm: hydra-submitit-launcher's local executor runs two jobs of a sweep
+    in their own processes and the sweep summary collects both."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
+                        reason="the slurm extra (pip install 'scaffold[slurm]') is part of the test install")
+    args = ["-m", "hydra/launcher=submitit_local", "seed=0,1", *TINY, "epochs=1", f"data.cache_dir={cache}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.launcher.timeout_min=5"]
+    res = subprocess.run([sys.executable, "-m", "scaffold.train", *args], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=LAUNCH_TIMEOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "seed=0" in summary and "seed=1" in summary
+    for job in ("0", "1"):
+        assert len(read_rows(tmp_path / "sweep" / job / "train_stats.csv")) == 1
