@@ -2,14 +2,19 @@
 the pre-flight check of overrides, and the config of a resumed run.
 
 Hydra rejects unknown keys and wrong types too, but with a multi-line report; checking the overrides
-against the schema first gives the one-line error a user needs, before any directory is created.
+against the schema first gives the one-line error a user needs, before any directory is created. A sweep
+is checked value by value: every value of a choice or a range, and samples of an interval (what a sampler
+such as Optuna's draws from), including the intervals of a preset's sweeper params.
 """
 from __future__ import annotations
 
+import importlib.resources
+import importlib.util
 import json
+import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -18,7 +23,8 @@ from scaffold.config import RETIRED_MORE_DETERMINISM, Config, ConfigError, valid
 
 # Keys a resumed run may change: they do not alter what has been computed so far.
 RESUME_MUTABLE = {"epochs", "target_dice", "checkpoint_interval", "progress", "profile", "device",
-                  "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph", "parallel.timeout_s"}
+                  "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph", "parallel.timeout_s",
+                  "objective"}
 
 
 def conf_dir() -> str:
@@ -27,18 +33,91 @@ def conf_dir() -> str:
     return str(here) if (here / "config.yaml").is_file() else "pkg://scaffold.conf"
 
 
+def _conf_root() -> Any:
+    d = conf_dir()
+    return importlib.resources.files("scaffold.conf") if d.startswith("pkg://") else Path(d)
+
+
+def config_groups() -> dict[str, list[str]]:
+    """conf/'s own config groups (e.g. hparams_search) and their options; hydra/ is Hydra's."""
+    return {g.name: sorted(f.name[:-len(".yaml")] for f in g.iterdir() if f.name.endswith(".yaml"))
+            for g in _conf_root().iterdir()
+            if g.is_dir() and g.name != "hydra" and not g.name.startswith(("_", "."))}
+
+
+OPTUNA_MISSING = "needs Hydra's Optuna sweeper (pip install 'scaffold[optuna]')"
+
+
+def _has_optuna() -> bool:
+    return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+
+
+def _preset_params(parsed: list) -> dict[str, Any]:
+    """The sweeper params of the presets chosen on the command line (hparams_search=NAME); a one-line
+    error for an unknown preset, or for one whose sweeper is not installed."""
+    groups, params = config_groups(), {}
+    for o in parsed:
+        key = o.key_or_group
+        if key == "hydra/sweeper" and o.value() == "optuna" and not _has_optuna():
+            raise ConfigError(f"{o.input_line}: {OPTUNA_MISSING}")
+        if key not in groups or o.is_delete():
+            continue
+        for name in (_sweep_values(o) or []) if o.is_sweep_override() else [o.value()]:
+            if name is None:  # the default: no preset
+                continue
+            if name not in groups[key]:
+                raise ConfigError(f"{key}={name}: no such preset (choose from: {' | '.join(groups[key])})")
+            preset = OmegaConf.create((_conf_root() / key / f"{name}.yaml").read_text())
+            defaults = OmegaConf.to_container(preset).get("defaults", [])
+            if {"override /hydra/sweeper": "optuna"} in defaults and not _has_optuna():
+                raise ConfigError(f"{key}={name}: {OPTUNA_MISSING}")
+            params.update(OmegaConf.select(preset, "hydra.sweeper.params", default=None) or {})
+    return params
+
+
+def _sweep_values(o: Any) -> Optional[list]:
+    """The values to check a sweep with: all of a choice or a range; of an interval, its start, middle
+    (geometric for tag(log, ...)) and the last float before its end: Hydra's intervals are [start, end)
+    of floats, and so are the Optuna sweeper's samples of them (no cast to the key's type: an interval
+    over an integer key fails in every trial, so it fails here). None for a sweep that cannot be listed
+    here (a glob): the job then checks the value it gets."""
+    from hydra.core.override_parser.types import IntervalSweep
+    from hydra.errors import HydraException
+
+    sweep = o.value()
+    if isinstance(sweep, IntervalSweep):
+        lo, hi, log = sweep.start, sweep.end, "log" in sweep.tags
+        if lo > hi:
+            raise ConfigError(f"{o.input_line}: the interval's start is above its end")
+        if log and lo <= 0:
+            raise ConfigError(f"{o.input_line}: a log interval needs a start > 0")
+        return sorted({lo, math.sqrt(lo * hi) if log else (lo + hi) / 2, math.nextafter(hi, lo)})
+    try:
+        return list(o.sweep_iterator())
+    except HydraException:
+        return None
+
+
 def _one_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def _apply(node: Any, key: str, value: Any) -> None:
+def _in_sweep(msg: str, sweep: Any) -> str:
+    """A check's message, naming the sweep its value came from (the user wrote no such value); a fixed
+    key that fails with every swept value is not the sweep's fault."""
+    if sweep is None or not msg.startswith(f"{sweep.key_or_group}="):
+        return msg
+    return f"{msg} (a value of {sweep.input_line})"
+
+
+def _apply(node: Any, key: str, value: Any, sweep: Any = None) -> None:
     try:
         OmegaConf.update(node, key, value, merge=True)
     except OmegaConfBaseException as e:
         msg = _one_line(e)
         if "not in struct" in msg or "Missing key" in msg or "Key '" in msg and "not" in msg:
             raise ConfigError(f"{key}: unknown key (see scaffold/config.py for the schema)") from None
-        raise ConfigError(f"{key}={value!r}: {msg}") from None
+        raise ConfigError(_in_sweep(f"{key}={value!r}: {msg}", sweep)) from None
 
 
 def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
@@ -49,35 +128,46 @@ def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
     args = [a for a in argv if "=" in a and not a.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(args)
+        # A chosen preset's sweeper params are a search space too: checked like the command line's
+        # sweeps, except where the command line replaces them (as the sweeper does).
+        given = {o.key_or_group for o in parsed}
+        params = {k: v for k, v in _preset_params(parsed).items() if k not in given}
+        parsed += OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
     except HydraException as e:
         raise ConfigError(_one_line(e)) from None
     cfg = OmegaConf.structured(Config)
     resume = None
     sweeps = []
+    groups = config_groups()  # presets are chosen by name (checked above), not keys of the schema
     for o in parsed:
         key = o.key_or_group
         if key == "more_determinism":
             raise ConfigError(RETIRED_MORE_DETERMINISM)
-        if key.startswith("hydra") or o.is_delete():
+        if key.startswith("hydra") or o.is_delete() or key in groups:
             continue
         if o.is_sweep_override():
-            values = list(o.sweep_iterator())
+            values = _sweep_values(o)
+            if values is None:
+                continue
             for v in values:
-                _apply(OmegaConf.structured(Config), key, v)
-            sweeps.append((key, values))
+                _apply(OmegaConf.structured(Config), key, v, o)
+            sweeps.append((o, values))
             continue
         value = o.value()
         _apply(cfg, key, value)
         if key == "resume":
             resume = value
     # Semantic checks on the combination, for each swept value in turn.
-    for key, values in sweeps or [(None, [None])]:
+    for o, values in sweeps or [(None, [None])]:
         for v in values:
             trial = OmegaConf.merge(cfg, {})
-            if key is not None:
-                _apply(trial, key, v)
+            if o is not None:
+                _apply(trial, o.key_or_group, v)
             if trial.resume is None:
-                validate(trial)
+                try:
+                    validate(trial)
+                except ConfigError as e:
+                    raise ConfigError(_in_sweep(str(e), o)) from None
     out_keys = ("hydra.run.dir", "hydra.sweep.dir")
     for o in parsed:
         if o.key_or_group in out_keys and not o.is_sweep_override():

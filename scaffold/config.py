@@ -23,6 +23,9 @@ RETIRED_MORE_DETERMINISM = (
     "more_determinism is retired: runs are now deterministic by default, and determinism=strict "
     "raises on any nondeterministic op"
 )
+# Keys kept in the schema only so that setting one fails with a message saying what replaced it; they
+# are left out of the --help pages.
+RETIRED = {"more_determinism": RETIRED_MORE_DETERMINISM}
 
 
 @dataclass
@@ -37,9 +40,10 @@ class DataConfig:
     """Share of the volumes held out for validation."""
     variance_threshold: float = 0.15
     """A class is accepted when its normalized point cloud has at least this variance on every axis."""
-    cache_dir: str = ".cache/scaffold"
-    """Folder holding generated datasets (one HDF5 file per data-defining config); relative to the
-    directory the command was started from."""
+    cache_dir: str = "auto"
+    """Folder holding generated datasets (one HDF5 file per data-defining config). auto = one cache per
+    user, shared by every working directory: $SCAFFOLD_CACHE if set, else $XDG_CACHE_HOME/scaffold, else
+    ~/.cache/scaffold. Any other value is that folder (a relative one from the working directory)."""
     workers: int = 0
     """Processes generating the dataset; 0 = one per CPU core. The bytes do not depend on it."""
 
@@ -107,6 +111,14 @@ class Config:
     """Adam learning rate (the cosine schedule's peak)."""
     target_dice: float = 0.95
     """Stop once the validation Dice reaches this."""
+    objective: str = "best_val_loss"
+    """What a run returns to a Hydra sweeper (Optuna's, see conf/hparams_search/), and in which direction
+    it is optimized: best_val_loss (minimize) | best_val_dice (maximize) | final_val_dice (maximize) |
+    time_to_target (seconds, minimize; +inf when the target is missed). The default is best_val_loss: it
+    is defined for every trial that trains an epoch, it moves smoothly with the hyperparameters, it is
+    bitwise reproducible, and it is what the `best` checkpoint is chosen by. Time to target is the
+    benchmark's own number, but it is wall clock (noisy) and a flat +inf for every trial that misses the
+    target, which tells a sampler nothing. A failed trial returns the worst value (+inf, or -inf)."""
     determinism: str = "default"
     """default (bitwise reproducible) | strict (also torch.use_deterministic_algorithms, raising) |
     off (vendor autotuning allowed; bits may differ between runs)."""
@@ -128,6 +140,10 @@ class Config:
     """Write a torch profiler trace of a few steps of the first epoch to the run directory."""
     progress: bool = True
     """Show a progress bar per epoch (plain lines when not on a terminal)."""
+    logger: str = "none"
+    """Experiment tracker fed the CSV's epoch rows and the figures: none | tensorboard (event files in
+    <run_dir>/tensorboard/; needs `pip install 'scaffold[tensorboard]'`). See scaffold/tracking.py,
+    which also says how an MLflow or W&B tracker would plug in."""
     more_determinism: Optional[Any] = None
     """Retired. Setting it is an error that says what replaced it (`determinism`)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -140,6 +156,10 @@ class Config:
 DETERMINISM_MODES = ("default", "strict", "off")
 PRECISIONS = ("auto", "bf16", "fp32")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
+# objective -> the direction a sweeper optimizes it in (conf/hparams_search/ reads it through the
+# `scaffold.direction` resolver, so choosing an objective cannot leave the sweeper going the wrong way).
+OBJECTIVES = {"best_val_loss": "minimize", "best_val_dice": "maximize", "final_val_dice": "maximize",
+              "time_to_target": "minimize"}
 
 
 def _need(ok: bool, key: str, expected: str, value: Any) -> None:
@@ -191,8 +211,9 @@ def dataset_sizes(data: Any) -> tuple[int, int]:
 
 def validate(cfg: Any) -> None:
     """Semantic checks of a whole training config; raises ConfigError with one line naming the key."""
-    if getattr(cfg, "more_determinism", None) is not None:
-        raise ConfigError(RETIRED_MORE_DETERMINISM)
+    for key, why in RETIRED.items():
+        if getattr(cfg, key, None) is not None:
+            raise ConfigError(why)
     validate_data(cfg.data, cfg.scale)
     m = cfg.model
     check_model(cfg.scale, m.bottleneck, m.base_width, m.groups)
@@ -208,6 +229,7 @@ def validate(cfg: Any) -> None:
     _need(dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:"), "device",
           "auto | cpu | cuda | cuda:N", cfg.device)
     _need(cfg.cuda_graph in CUDA_GRAPH_MODES, "cuda_graph", " | ".join(CUDA_GRAPH_MODES), cfg.cuda_graph)
+    _need(cfg.objective in OBJECTIVES, "objective", " | ".join(OBJECTIVES), cfg.objective)
     if dev == "cpu":  # known before any work: the step's own rule says whether a graph can run
         import torch
 
@@ -224,8 +246,14 @@ def validate(cfg: Any) -> None:
         _need(value in settings(key), f"ladder.{key}", " | ".join(settings(key)), value)
     n_train = dataset_sizes(cfg.data)[0]
     _need(cfg.batch_size <= n_train, "batch_size", f"at most the {n_train} training volumes", cfg.batch_size)
+    from scaffold.tracking import LOGGERS, check_available  # the allowed loggers are the registered ones
+
+    logger = getattr(cfg, "logger", "none")
+    _need(logger in LOGGERS, "logger", " | ".join(LOGGERS), logger)
+    check_available(logger)  # a missing package fails here, before any work
     _need(cfg.parallel.timeout_s > 0, "parallel.timeout_s", "a number of seconds > 0", cfg.parallel.timeout_s)
     o = cfg.optim
+    _need(o.weight_decay >= 0, "optim.weight_decay", "a number >= 0", o.weight_decay)  # Adam raises on < 0
     _need(o.grad_clip >= 0, "optim.grad_clip", "a number >= 0 (0 disables)", o.grad_clip)
     _need(o.t0 > 0, "optim.t0", "a positive integer", o.t0)
     _need(o.t_mult >= 1, "optim.t_mult", "an integer >= 1", o.t_mult)
@@ -233,7 +261,19 @@ def validate(cfg: Any) -> None:
 
 
 def register() -> None:
-    """Registers the schema with Hydra's ConfigStore (as `base_config`, used by conf/config.yaml)."""
+    """Registers the schema with Hydra's ConfigStore (as `base_config`, used by conf/config.yaml), the
+    `--help` page generated from it (as hydra/help `scaffold`, see scaffold/help.py), and the
+    `scaffold.direction` resolver: `${scaffold.direction:${objective}}` is minimize or maximize."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from scaffold import cli, help as help_page
 
     ConfigStore.instance().store(name="base_config", node=Config)
+    # `python -m scaffold.train --help` (conf/config.yaml selects hydra/help: scaffold).
+    header, body = help_page.train_page(cli.config_groups())
+    ConfigStore.instance().store(group="hydra/help", name="scaffold",
+                                 node=help_page.hydra_help_node("scaffold.train", header, body))
+    # An unknown objective resolves to minimize; `validate` names it before any trial runs.
+    OmegaConf.register_new_resolver("scaffold.direction", lambda name: OBJECTIVES.get(name, "minimize"),
+                                    replace=True)

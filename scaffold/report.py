@@ -2,7 +2,9 @@
 
 Figures need matplotlib (`pip install scaffold[plots]`); without it a run says so in one line and goes on.
 The sweep summary is a Hydra callback (configured in conf/config.yaml): when a multirun ends it collects
-every job's result.json into summary.csv and summary.md in the sweep directory.
+every job's result.json into summary.csv and summary.md in the sweep directory. A resumed job refreshes
+its sweep's summary; `python -m scaffold.report DIR [--sort COLUMN]` rebuilds one for any sweep or tree
+of runs (outputs/, multirun/) and prints it.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import csv
 import io
 import json
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +29,29 @@ FIGURES = {  # file name -> (columns, y label)
 }
 
 
-def plot_run(run_dir: Path) -> list[Path]:
-    """Write the figures of a run directory; returns the files written (none without matplotlib)."""
+RUN_ROOTS = ("outputs", "multirun")  # Hydra's run and sweep folders (conf/config.yaml)
+
+
+def run_id(run_dir: Path) -> str:
+    """A run's name in figure titles: its path below Hydra's outputs/ or multirun/ (date/time[/job]),
+    else the directory's name."""
+    parts = Path(run_dir).resolve().parts
+    roots = [i for i, part in enumerate(parts) if part in RUN_ROOTS]
+    return "/".join(parts[roots[-1] + 1:]) if roots and roots[-1] + 1 < len(parts) else parts[-1]
+
+
+def _target_dice(run_dir: Path) -> float | None:
+    try:
+        return float(json.loads((run_dir / "run.json").read_text())["config"]["target_dice"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def plot_run(run_dir: Path, target_dice: float | None = None) -> list[Path]:
+    """Write the figures of a run directory; returns the files written (none without matplotlib).
+
+    Each title names the run; the loss figures mark the best epoch (lowest val_loss_avg, the last row
+    with is_best = 1); the Dice figure draws the target (`target_dice`, else run.json's config)."""
     run_dir = Path(run_dir)
     stats = run_dir / "train_stats.csv"
     if not stats.exists():
@@ -36,6 +61,7 @@ def plot_run(run_dir: Path) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         log.info("figures skipped: matplotlib is not installed (pip install 'scaffold[plots]')")
         return []
@@ -43,16 +69,26 @@ def plot_run(run_dir: Path) -> list[Path]:
     if not rows:
         return []
     epochs = [int(r["epoch"]) for r in rows]
+    best = [e for e, r in zip(epochs, rows) if r.get("is_best") == "1"]
+    best_epoch = best[-1] if best else None
+    target = target_dice if target_dice is not None else _target_dice(run_dir)
+    title = run_id(run_dir)
     written = []
     for name, (columns, ylabel) in FIGURES.items():
         fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
         for col in columns:
             ax.plot(epochs, [float(r[col]) for r in rows], marker="o", ms=3, label=col)
+        if "loss" in name and best_epoch is not None:
+            ax.axvline(best_epoch, color="tab:green", ls="--", lw=1, label=f"best epoch {best_epoch}")
+        if name == "val_dice.png" and target is not None:
+            ax.axhline(target, color="tab:red", ls=":", lw=1, label=f"target {target:g}")
         ax.set_xlabel("epoch")
         ax.set_ylabel(ylabel)
+        ax.set_title(f"run {title}", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         ax.grid(alpha=0.3)
-        if len(columns) > 1:
-            ax.legend()
+        if ax.get_legend_handles_labels()[0][1:]:  # a legend only when there is more than one line
+            ax.legend(fontsize=7)
         fig.tight_layout()
         out = run_dir / name
         try:
@@ -65,36 +101,91 @@ def plot_run(run_dir: Path) -> list[Path]:
 
 
 SUMMARY_COLUMNS = ("job", "overrides", "epochs", "optimizer_steps", "final_val_dice", "best_epoch",
-                   "best_val_loss", "time_to_target_s", "train_time_s", "status")
+                   "best_val_loss", "time_to_target_s", "train_time_s", "status", "resumes")
+SUMMARY_FILES = ("summary.csv", "summary.md")
+
+
+def find_runs(root: Path) -> list[Path]:
+    """The run directories at or below `root` (those holding a run.json or result.json), in job order.
+
+    A sweep's jobs are its numbered subfolders; an outputs/ or multirun/ tree nests runs by date and
+    time, and sweeps by job. A run's own subfolders (checkpoints/, .hydra/, tensorboard/) are not
+    searched."""
+    root = Path(root)
+    runs = []
+    for folder, subfolders, files in os.walk(root):
+        if "run.json" in files or "result.json" in files:
+            runs.append(Path(folder))
+            subfolders[:] = []
+        else:
+            subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+    return sorted(runs, key=lambda run: _job_key(run.relative_to(root)))
 
 
 def summarize_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
-    """Collect each job's result.json under a sweep directory into summary.csv and summary.md."""
+    """Collect the result.json of every run under a sweep directory (or an outputs/ tree) into
+    summary.csv and summary.md there; returns the rows.
+
+    A job is listed by the overrides it was started with; its resumes (the epoch each continued from
+    and its own overrides) are a column of their own. Override keys whose values differ between the
+    runs (the sweep's axes) get a column each, so the table can be sorted by them."""
     sweep_dir = Path(sweep_dir)
-    rows = []
-    for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=_job_key):
-        result_file = job / "result.json"
-        run_file = job / "run.json"
-        if not result_file.exists() and not run_file.exists():
-            continue
-        row: dict[str, Any] = {"job": job.name}
-        if result_file.exists():
-            res = json.loads(result_file.read_text())
-            row.update({k: res.get(k) for k in SUMMARY_COLUMNS if k in res})
-            row["overrides"] = " ".join(res.get("overrides", []))
-            row["status"] = "reached target" if res.get("time_to_target_s") is not None else "epoch cap"
-        else:
-            run = json.loads(run_file.read_text())
-            row["overrides"] = " ".join(run.get("overrides", []))
-            row["status"] = "failed"
-        rows.append(row)
-    write_text(sweep_dir / "summary.csv", _as_csv(rows))
-    write_text(sweep_dir / "summary.md", _as_markdown(rows))
+    rows = [_summary_row(run, sweep_dir) for run in find_runs(sweep_dir)]
+    columns = summary_columns(rows)
+    write_text(sweep_dir / "summary.csv", _as_csv(rows, columns))
+    write_text(sweep_dir / "summary.md", _as_markdown(rows, columns))
     return rows
 
 
-def _job_key(p: Path):
-    return (0, int(p.name)) if p.name.isdigit() else (1, p.name)
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _summary_row(run: Path, root: Path) -> dict[str, Any]:
+    rel = run.relative_to(root)
+    row: dict[str, Any] = {"job": rel.as_posix() if rel.parts else run.name}
+    res, record = _read_json(run / "result.json"), _read_json(run / "run.json") or {}
+    if res is not None:
+        row.update({k: res[k] for k in SUMMARY_COLUMNS if k in res})
+        source = res
+        row["status"] = "reached target" if res.get("time_to_target_s") is not None else "epoch cap"
+    else:
+        # No result: the run failed, was killed or is still running.
+        source = record
+        row["status"] = "unreadable result.json" if (run / "result.json").exists() else "failed"
+    overrides = list(source.get("overrides", []))
+    row["overrides"] = " ".join(overrides)
+    row["resumes"] = "; ".join(" ".join([f"@{r.get('at_epoch')}", *r.get("overrides", [])])
+                               for r in source.get("resumes", []))
+    row["_overrides"] = dict(_split_override(o) for o in overrides)
+    return row
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    key, _, value = item.partition("=")
+    return key.lstrip("+~"), value
+
+
+def summary_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """SUMMARY_COLUMNS, then one column per override key whose value differs between the rows; a key
+    that is also a result column (epochs=...) is named `key (override)`."""
+    keys: dict[str, None] = {}
+    for r in rows:
+        keys.update(dict.fromkeys(r.get("_overrides", {})))
+    varying = [k for k in keys if len({r.get("_overrides", {}).get(k) for r in rows}) > 1]
+    extra = [f"{k} (override)" if k in SUMMARY_COLUMNS else k for k in varying]
+    for r in rows:
+        for key, name in zip(varying, extra):
+            r[name] = r.get("_overrides", {}).get(key)
+    return [*SUMMARY_COLUMNS, *extra]
+
+
+def _job_key(rel: Path):
+    # Numbered jobs in numeric order (2 before 10); dates and times sort as text.
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in Path(rel).parts)
 
 
 def _fmt(v: Any) -> str:
@@ -105,20 +196,91 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _as_csv(rows: list[dict[str, Any]]) -> str:
+def _as_csv(rows: list[dict[str, Any]], columns=SUMMARY_COLUMNS) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(SUMMARY_COLUMNS)
+    w.writerow(columns)
     for r in rows:
-        w.writerow([_fmt(r.get(c)) for c in SUMMARY_COLUMNS])
+        w.writerow([_fmt(r.get(c)) for c in columns])
     return buf.getvalue()
 
 
-def _as_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + "---|" * len(SUMMARY_COLUMNS)]
-    for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in SUMMARY_COLUMNS) + " |")
-    return "\n".join(lines) + "\n"
+def _as_markdown(rows: list[dict[str, Any]], columns=SUMMARY_COLUMNS) -> str:
+    """A markdown table whose columns line up, so that it also reads as plain text in a terminal."""
+    cells = [list(columns)] + [[_fmt(r.get(c)).replace("|", "\\|") for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), rule, *map(line, cells[1:])]) + "\n"
+
+
+def sort_rows(rows: list[dict[str, Any]], column: str, reverse: bool = False) -> list[dict[str, Any]]:
+    """Rows ordered by one column: numbers numerically, text as text, blanks last either way."""
+    def key(r):
+        try:  # result values are numbers; override values are text such as "0.001"
+            return (0, float(r[column]), "")
+        except (TypeError, ValueError):
+            return (1, 0.0, str(r[column]))
+    filled = [r for r in rows if r.get(column) not in (None, "")]
+    blank = [r for r in rows if r.get(column) in (None, "")]
+    return sorted(filled, key=key, reverse=reverse) + blank
+
+
+def refresh_summary(run_dir: Path) -> Path | None:
+    """After a resume: rebuild the summary of the sweep the run is a job of (its parent folder holds
+    one), so that it shows the resumed run's new results. Returns the sweep folder, or None."""
+    sweep = Path(run_dir).resolve().parent
+    if not (sweep / "summary.csv").is_file():
+        return None
+    try:
+        summarize_sweep(sweep)
+    except OSError as e:  # the run itself succeeded; a summary can be rebuilt with scaffold.report
+        log.warning("sweep summary %s not updated (%s); rebuild it with python -m scaffold.report %s",
+                    sweep / "summary.md", e, sweep)
+        return None
+    return sweep
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m scaffold.report DIR`: rebuild DIR's summary.csv / summary.md and print the table."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m scaffold.report",
+        description="Rebuild summary.csv and summary.md from the runs' result.json files (after a resume, "
+                    "or for a sweep that ended early) and print the table: one row per run, with the "
+                    "overrides it was started with, its resumes, its results and a column per override "
+                    "that differs between the runs.")
+    parser.add_argument("directory", type=Path,
+                        help="a sweep directory (multirun/DATE/TIME), a tree of runs (outputs/, multirun/) "
+                             "or one run directory")
+    parser.add_argument("--sort", metavar="COLUMN",
+                        help="print the rows ordered by this column (e.g. best_val_loss, or an override "
+                             "key such as lr); the files keep job order")
+    parser.add_argument("--reverse", action="store_true", help="with --sort: largest first")
+    args = parser.parse_args(argv)
+    root = args.directory
+    if not root.is_dir():
+        print(f"error: {root}: no such directory", file=sys.stderr)
+        return 2
+    if not find_runs(root):
+        print(f"error: {root}: no runs here (no run.json or result.json at or below it)", file=sys.stderr)
+        return 2
+    try:
+        rows = summarize_sweep(root)
+    except OSError as e:
+        print(f"error: {root}: cannot write the summary ({e.strerror or e})", file=sys.stderr)
+        return 2
+    columns = summary_columns(rows)
+    if args.sort is not None:
+        if args.sort not in columns:
+            print(f"error: --sort {args.sort}: no such column (choose from: {' | '.join(columns)})",
+                  file=sys.stderr)
+            return 2
+        rows = sort_rows(rows, args.sort, args.reverse)
+    print(f"{len(rows)} run(s); wrote {root / 'summary.csv'} and {root / 'summary.md'}")
+    print(_as_markdown(rows, columns), end="")
+    return 0
 
 
 try:  # the Hydra callback; the rest of this module works without Hydra
@@ -137,3 +299,7 @@ class SweepSummary(Callback):
         rows = summarize_sweep(sweep_dir)
         print(f"sweep summary ({len(rows)} jobs): {sweep_dir / 'summary.md'}")
         print((sweep_dir / "summary.md").read_text(), end="")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

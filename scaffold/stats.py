@@ -11,9 +11,19 @@ The first ten columns are upstream ScaFFold's, with the same meanings:
   epoch_duration         wall-clock seconds of the epoch (training + evaluation)
   optimizer_steps        optimizer steps this epoch
   total_optimizer_steps  optimizer steps since the run began
-Ours follow: the learning rate the epoch trained with, the median step time, whether this epoch is the
-best so far (lowest val_loss_avg; a tie keeps the earlier), and the cumulative training time.
-Only the wall-clock columns (WALL_CLOCK) may differ between two runs of the same config.
+Ours follow:
+  lr                     the learning rate the epoch trained with
+  step_ms_median         median wall time of the epoch's optimizer steps (ms)
+  is_best                1 when this epoch is a new best so far: its val_loss_avg is lower than every
+                         earlier epoch's (a tie keeps the earlier). Several rows can say 1; the best epoch
+                         of the run is the last of them (result.json's best_epoch).
+  train_time             cumulative wall-clock seconds of the epochs so far
+  cpu_time               CPU seconds this process (all its threads) spent in the epoch; beside
+                         epoch_duration it tells a starved run (cpu_time well below threads x wall) from
+                         a slow one
+  load_avg               the machine's 1-minute load average at the end of the epoch (nan where the
+                         platform has none): other work competing for the cores
+Only the timing and machine columns (WALL_CLOCK) may differ between two runs of the same config.
 """
 from __future__ import annotations
 
@@ -21,15 +31,23 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 from scaffold.files import atomic_open
 
 UPSTREAM_COLUMNS = (
     "epoch", "epoch_loss", "overall_loss", "val_loss_epoch", "val_loss_avg", "train_dice", "val_dice",
     "epoch_duration", "optimizer_steps", "total_optimizer_steps",
 )
-COLUMNS = UPSTREAM_COLUMNS + ("lr", "step_ms_median", "is_best", "train_time")
-WALL_CLOCK = ("epoch_duration", "step_ms_median", "train_time")
+COLUMNS = UPSTREAM_COLUMNS + ("lr", "step_ms_median", "is_best", "train_time", "cpu_time", "load_avg")
+WALL_CLOCK = ("epoch_duration", "step_ms_median", "train_time", "cpu_time", "load_avg")
+
+
+def load_average() -> Optional[tuple[float, float, float]]:
+    """The machine's 1, 5 and 15-minute load averages, or None where the platform has none."""
+    try:
+        return os.getloadavg()
+    except (AttributeError, OSError):  # Windows has no getloadavg
+        return None
 
 
 def _cell(value: Any) -> str:
@@ -42,10 +60,12 @@ def _cell(value: Any) -> str:
 
 
 class StatsFile:
-    """Appends rows to train_stats.csv; on resume, first drops rows past the checkpoint's epoch."""
+    """Appends rows to train_stats.csv; on resume, first drops rows past the checkpoint's epoch. A
+    tracker (scaffold.tracking), when given, receives every row after it is on disk."""
 
-    def __init__(self, path: Path, keep_through_epoch: int = 0):
+    def __init__(self, path: Path, keep_through_epoch: int = 0, tracker: Any = None):
         self.path = Path(path)
+        self.tracker = tracker
         if keep_through_epoch > 0 and self.path.exists():
             self._truncate(keep_through_epoch)
         else:
@@ -70,6 +90,8 @@ class StatsFile:
             csv.writer(f).writerow([_cell(row[c]) for c in COLUMNS])
             f.flush()
             os.fsync(f.fileno())
+        if self.tracker is not None:
+            self.tracker.log_epoch(row)
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:

@@ -4,13 +4,16 @@
     python -m scaffold.train scale=7 epochs=2     # the GPU benchmark size, 128³
     python -m scaffold.train -m scale=4,5 seed=0,1   # a sweep; summary.md lands in the sweep directory
     python -m scaffold.train resume=outputs/2026-12-02/10-00-00   # continue a run bit for bit
+    python -m scaffold.train -m hparams_search=optuna_lr   # Optuna search (pip install 'scaffold[optuna]')
 
 Overrides are checked against the schema (scaffold/config.py) before Hydra starts, so a typo or a bad value
-costs one line and exit code 2, not a traceback. The run itself is scaffold.worker.run.
+costs one line and exit code 2, not a traceback. The run itself is scaffold.worker.run; the task returns
+the configured `objective` (a float) for sweepers that optimize it.
 """
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -18,13 +21,28 @@ import hydra
 
 from scaffold import cli
 from scaffold.checkpoint import CheckpointError
-from scaffold.config import ConfigError, register
+from scaffold.config import OBJECTIVES, ConfigError, register
 
 log = logging.getLogger("scaffold")
 
+# The result.json field each objective reads.
+OBJECTIVE_FIELDS = {"best_val_loss": "best_val_loss", "best_val_dice": "best_val_dice",
+                    "final_val_dice": "final_val_dice", "time_to_target": "time_to_target_s"}
+
+
+def worst(objective: str) -> float:
+    """The value that ranks last in the objective's direction."""
+    return -math.inf if OBJECTIVES.get(objective) == "maximize" else math.inf
+
+
+def objective_value(result: dict, objective: str) -> float:
+    """The objective of one run's result; the worst value where the run has none (a missed target)."""
+    value = result.get(OBJECTIVE_FIELDS[objective])
+    return worst(objective) if value is None else float(value)
+
 
 @hydra.main(config_path=cli.conf_dir(), config_name="config", version_base=None)
-def _task(cfg) -> None:
+def _task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -38,13 +56,20 @@ def _task(cfg) -> None:
         if cfg.resume is not None:
             run_dir = Path(cfg.resume)
             cfg = cli.resumed_config(run_dir, cfg, overrides)
-        worker.run(cfg, run_dir, resume=cfg.resume is not None, overrides=overrides)
+        result = worker.run(cfg, run_dir, resume=cfg.resume is not None, overrides=overrides)
     except (ConfigError, CheckpointError, Diverged) as e:
         log.error("%s", e)
-        if hc.mode == RunMode.MULTIRUN:  # one failed job should not end the sweep
-            return
+        if hc.mode == RunMode.MULTIRUN:
+            # One failed job should not end the sweep. Optuna's sweeper ends the whole study on a job
+            # that raises or returns a non-number (NaN included; max_failure_rate defaults to 0), but
+            # takes an infinity as an ordinary value: ranked last, it also steers the sampler away from
+            # what failed (a diverging learning rate, say).
+            return worst(str(cfg.objective))
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3 if isinstance(e, Diverged) else 2)
+    value = objective_value(result, str(cfg.objective))
+    log.info("objective %s = %s", cfg.objective, value)
+    return value
 
 
 def main() -> None:

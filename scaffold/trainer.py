@@ -32,7 +32,7 @@ import torch
 from scaffold import checkpoint, determinism, distributed
 from scaffold.data.loader import make_input
 from scaffold.metrics import hard_dice, per_sample_loss
-from scaffold.stats import StatsFile
+from scaffold.stats import StatsFile, load_average
 from scaffold.step import TrainStep, amp_dtype, make_optimizer
 
 log = logging.getLogger("scaffold")
@@ -51,9 +51,11 @@ class Progress:
     best_val_loss: float = math.inf
     best_epoch: int = 0
     train_time: float = 0.0  # summed epoch durations (seconds)
+    cpu_time: float = 0.0  # summed process CPU seconds of the epochs (checkpoints before it load as 0)
     time_to_target: Optional[float] = None
     target_epoch: Optional[int] = None
     last_val_dice: float = 0.0
+    best_val_dice: float = 0.0  # highest validation Dice so far (checkpoints before it load as 0)
 
 
 @dataclass
@@ -280,7 +282,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             profiler = _profiler(self.run_dir) if profile and first and self.place.is_main else None
             first = False
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             with profiler or nullcontext():
                 tr = self.train_epoch(epoch, profiler)
             val = self.evaluate()
@@ -293,9 +295,11 @@ class Trainer:
             n_train, n_val = tr.samples * self.place.world, val.shape[1]
             step_ms = tr.timer.median_ms()
             self.scheduler.step()
-            duration = time.perf_counter() - t0
+            duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             p.epoch, p.total_steps = epoch, p.total_steps + tr.steps
             p.train_time += duration
+            p.cpu_time += cpu
+            load = load_average()
             overall, val_avg = loss_sum / n_train, vloss_sum / n_val
             val_dice = vdice_sum / n_val
             finite = math.isfinite(overall) and math.isfinite(val_avg)
@@ -303,6 +307,8 @@ class Trainer:
             if is_best:
                 p.best_val_loss, p.best_epoch = val_avg, epoch
             p.last_val_dice = val_dice
+            if finite:
+                p.best_val_dice = max(p.best_val_dice, val_dice)
             if finite and val_dice >= cfg.target_dice:
                 p.time_to_target, p.target_epoch = p.train_time, epoch
             row = {
@@ -310,7 +316,8 @@ class Trainer:
                 "val_loss_epoch": vloss_sum, "val_loss_avg": val_avg, "train_dice": dice_sum / n_train,
                 "val_dice": val_dice, "epoch_duration": duration, "optimizer_steps": tr.steps,
                 "total_optimizer_steps": p.total_steps, "lr": lr, "step_ms_median": step_ms,
-                "is_best": is_best, "train_time": p.train_time,
+                "is_best": is_best, "train_time": p.train_time, "cpu_time": cpu,
+                "load_avg": load[0] if load else math.nan,
             }
             if stats is not None:
                 stats.append(row)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import gc
+import json
 import logging
+import os
 import platform
 import tempfile
 import time
@@ -21,8 +23,9 @@ import scaffold
 from scaffold import checkpoint, determinism, distributed, report
 from scaffold.config import ConfigError, dataset_sizes, validate
 from scaffold.files import write_json
-from scaffold.stats import StatsFile
+from scaffold.stats import StatsFile, load_average
 from scaffold.step import wants_graph
+from scaffold.tracking import NullTracker, make_tracker
 from scaffold.trainer import Trainer, Volumes
 
 log = logging.getLogger("scaffold")
@@ -44,6 +47,20 @@ def pick_device(name: str, place: distributed.Place) -> torch.device:
     return torch.device(name)
 
 
+def device_name(device: torch.device) -> str:
+    """The device a run used, by name: the GPU's model, or the CPU's (not the platform's) model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:  # Linux: platform.processor() is often empty or just the architecture there
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def check_writable(run_dir: Path) -> None:
     """The run directory exists and takes a new file (a probe under a name unique to this process)."""
     try:
@@ -62,6 +79,25 @@ def _attempt(fn, *args, **kwargs):
         return None, e
 
 
+def record_resume(run_dir: Path, at_epoch: int, checkpoint_name: str, overrides: list[str]
+                  ) -> tuple[list[str], list[dict]]:
+    """Append this resume to run.json's history; returns the run's original overrides and its resumes.
+
+    The original overrides stay what identifies the run (a sweep's summary lists a job by them); each
+    resume's own (epochs=..., device=...) go into the history. It lives in run.json, written before any
+    training, so a resume that is killed before its result.json still counts in the next one's."""
+    run_file = run_dir / RUN_FILE
+    record = json.loads(run_file.read_text())
+    record["resumes"] = list(record.get("resumes", [])) + [{
+        "at_epoch": at_epoch,
+        "checkpoint": checkpoint_name,
+        "overrides": list(overrides),
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }]
+    write_json(run_file, record)
+    return list(record.get("overrides", [])), record["resumes"]
+
+
 def config_dict(cfg: Any) -> dict:
     from omegaconf import OmegaConf
 
@@ -73,6 +109,7 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     """Train one model; returns the result summary (also written to run_dir/result.json)."""
     run_dir = Path(run_dir)
     validate(cfg)
+    load_at_start = load_average()  # with the end's, tells a run slowed by other work on the machine
     determinism.configure(cfg.determinism)  # before anything touches CUDA
     place = distributed.init("cuda" if str(cfg.device) != "cpu" and torch.cuda.is_available() else "cpu",
                              cfg.parallel.timeout_s)
@@ -86,6 +123,7 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     if place.world > n_train:
         raise ConfigError(f"world size {place.world}: more ranks than the {n_train} training volumes")
     state = None
+    original_overrides, resumes = list(overrides or []), []
     if resume:
         state, ckpt_path = checkpoint.load_latest(run_dir / "checkpoints")
         log.info("resuming from %s (epoch %d)", ckpt_path, state["epoch"])
@@ -142,16 +180,21 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
             "overrides": overrides or [],
             "scaffold": scaffold.__version__,
             "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-            or platform.machine(),
+            "device": device_name(device),
             "world_size": place.world,
             "dataset": str(path),
             "parameters": n_params,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         })
-    stats = None  # only rank 0 writes the CSV
+    elif place.is_main:  # recorded once the resume has passed every check, before it trains
+        original_overrides, resumes = record_resume(run_dir, int(state["epoch"]), Path(ckpt_path).name,
+                                                    overrides or [])
+    stats = None  # only rank 0 writes the CSV and feeds the tracker
+    tracker = NullTracker()
     if place.is_main:
-        stats = StatsFile(run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0)
+        tracker = make_tracker(cfg, run_dir, resume_epoch=state["epoch"] if state else 0)
+        stats = StatsFile(run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0,
+                          tracker=tracker)
     if state:
         trainer.load_state(state)
         del state
@@ -174,25 +217,39 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
         progress = trainer.fit(stats, profile=cfg.profile)
     finally:
         if place.is_main:
-            report.plot_run(run_dir)
+            try:
+                tracker.log_figures(report.plot_run(run_dir, target_dice=cfg.target_dice))
+            finally:
+                tracker.close()
     result = {
         "epochs": progress.epoch,
         "optimizer_steps": progress.total_steps,
-        "best_epoch": progress.best_epoch,
+        "best_epoch": progress.best_epoch,  # lowest val_loss_avg: the CSV's last row with is_best = 1
         "best_val_loss": progress.best_val_loss,
         "final_val_dice": progress.last_val_dice,
+        "best_val_dice": progress.best_val_dice,
         "target_dice": cfg.target_dice,
         "time_to_target_s": progress.time_to_target,
         "target_epoch": progress.target_epoch,
         "train_time_s": progress.train_time,
+        # CPU time and machine load beside the wall times: a slow run starved of cores (CPU well
+        # below threads x wall, high load) reads differently from one that is slow on its own.
+        "train_cpu_s": progress.cpu_time,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_start": load_at_start,
+        "load_avg_end": load_average(),
         "dataset_s": data_seconds,
         "warmup_s": warm,
         "cuda_graph": trainer.train_step.graph is not None,
         "graph_capture_s": captured,
-        "overrides": overrides or [],
+        "overrides": original_overrides,  # those the run was started with; a resume's are in `resumes`
+        "resumes": resumes,
     }
     if place.is_main:
         write_json(run_dir / RESULT_FILE, result)
+        if resume:  # a resumed sweep job: its sweep's summary.md would otherwise show the old results
+            report.refresh_summary(run_dir)
     if progress.time_to_target is not None:
         log.info("time to target: %.2f s (val dice %.4f >= %.2f at epoch %d, %d optimizer steps); "
                  "results in %s", progress.time_to_target, progress.last_val_dice, cfg.target_dice,

@@ -16,6 +16,16 @@ def pytest_addoption(parser):
                           "say in the commit message why the numbers moved)")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def user_cache(tmp_path_factory):
+    """The default dataset cache (data.cache_dir=auto) of this test session: a temporary folder, so
+    that no test reads or fills the user's own cache. Subprocesses inherit it through the environment."""
+    with pytest.MonkeyPatch.context() as mp:
+        folder = tmp_path_factory.mktemp("user-cache")
+        mp.setenv("SCAFFOLD_CACHE", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """A dataset cache folder shared by the tests of one module (each dataset is generated once)."""

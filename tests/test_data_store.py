@@ -200,3 +200,119 @@ def test_datagen_benchmark_writes_json(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["volumes"] == 240 and result["edge"] == 8 and len(result["seconds"]) == 1
     assert "median s" in capsys.readouterr().out
+
+
+def test_datasets_describe_themselves(small):
+    _, path = small
+    with h5py.File(path, "r") as f:
+        assert "input = palette[mask]" in f.attrs["description"]
+        for split in store.SPLITS:
+            attrs = f[f"{split}/masks"].attrs
+            assert list(attrs["labels"]) == [0, 1, 2, 3]
+            assert list(attrs["class_names"]) == ["background", "fractal class 1", "fractal class 2",
+                                                  "fractal class 3"]
+            assert attrs["label_meaning"].startswith("0 = background, k = 1..3 = fractal class k")
+            assert attrs["layout"].startswith("N, D, H, W") and attrs["units"].startswith("voxels; edge 8")
+            assert "uint8" in attrs["dtype_meaning"] and split in attrs["description"]
+        palette = f["palette"].attrs
+        assert palette["description"] == "RGB colour per label, input = palette[mask]"
+        assert palette["input_rule"].startswith("input = palette[mask]")
+        assert "voxels per label" in f["class_counts"].attrs["description"]
+        assert f["class_counts"].attrs["units"] == "voxels"
+
+
+def test_cache_dir_default_is_per_user_and_overridable(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SCAFFOLD_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert store.cache_dir("auto") == home / ".cache" / "scaffold"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: relative values are ignored
+    assert store.cache_dir("auto") == home / ".cache" / "scaffold"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert store.cache_dir("auto") == tmp_path / "xdg" / "scaffold"
+    monkeypatch.setenv("SCAFFOLD_CACHE", str(tmp_path / "mine"))
+    assert store.cache_dir("auto") == tmp_path / "mine"
+    assert store.cache_dir(str(tmp_path / "explicit")) == tmp_path / "explicit"  # data.cache_dir wins
+    assert store.cache_dir("~/data") == home / "data"
+    assert DataConfig().cache_dir == "auto"
+
+
+def test_unwritable_default_cache_names_its_source(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("SCAFFOLD_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(store, "_write", lambda *a, **k: pytest.fail("started generating"))
+    with pytest.raises(ConfigError, match=r"^SCAFFOLD_CACHE=.*a-file/cache.*cannot write"):
+        store.prepare(DataConfig(**SMALL), SCALE, SEED, progress=False)
+
+
+def test_two_working_directories_share_one_dataset_cache(tmp_path):
+    """The default cache does not depend on the working directory: the second directory reuses the
+    first one's file (generated once) and neither gets a cache of its own."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SCAFFOLD_CACHE": str(tmp_path / "cache"),
+           "HOME": str(tmp_path / "home")}
+    args = [sys.executable, "-m", "scaffold.data", f"scale={SCALE}", f"seed={SEED}", "data.n_categories=3",
+            "data.n_instances=12", "data.workers=1"]
+    seen = []
+    for name in ("first", "second"):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert list(cwd.iterdir()) == []
+        path = pathlib.Path(done.stdout.split()[1])  # "dataset   <path>"
+        assert path.parent == tmp_path / "cache"
+        seen.append((path, path.stat().st_ino, path.stat().st_mtime_ns))
+    assert seen[0] == seen[1]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [seen[0][0].name]
+    assert not (tmp_path / "home").exists()
+
+
+# Holds each process at the start of generation until the other is there too, so that both have
+# missed the cache and both write and rename the file.
+RACER = """
+import os, pathlib, sys, time
+from scaffold.config import DataConfig
+from scaffold.data import store
+
+cache, gate = sys.argv[1], pathlib.Path(sys.argv[2])
+real = store.iter_volumes
+
+def gated(*args, **kwargs):
+    (gate / str(os.getpid())).touch()
+    deadline = time.monotonic() + 60
+    while len(list(gate.iterdir())) < 2:
+        if time.monotonic() > deadline:
+            sys.exit("the other process never started generating")
+        time.sleep(0.01)
+    yield from real(*args, **kwargs)
+
+store.iter_volumes = gated
+print(store.prepare(DataConfig(cache_dir=cache, workers=1, n_categories=3, n_instances=12), 3, 5,
+                    progress=False))
+"""
+
+
+def test_concurrent_generation_of_one_dataset_both_succeed(tmp_path):
+    cache, gate = tmp_path / "cache", tmp_path / "gate"
+    gate.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(cache), str(gate)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert len(list(gate.iterdir())) == 2  # both really generated
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1
+    path = pathlib.Path(paths.pop())
+    assert [p.name for p in cache.iterdir()] == [path.name]  # no temporary file left behind
+    assert store.read_info(path).n_train == 8
+    assert digest(contents(path)) == SMALL_SHA256

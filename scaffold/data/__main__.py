@@ -5,17 +5,45 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from dataclasses import fields
 
 import hydra
 
-from ..config import ConfigError, register
-from .store import prepare, read_info
+from ..config import Config, ConfigError, DataConfig, register
+from .store import data_key, prepare, read_info
 
 _REPO_CONF = pathlib.Path(__file__).resolve().parents[2] / "conf"
 CONFIG_PATH = str(_REPO_CONF) if _REPO_CONF.is_dir() else "pkg://scaffold.conf"
-# Work in the current folder and write nothing of Hydra's own (no outputs/, no .hydra/, no log file).
+# Work in the current folder and write nothing of Hydra's own (no outputs/, no .hydra/, no log file);
+# --help prints this command's own page (register_help).
 QUIET_HYDRA = {"hydra.run.dir": ".", "hydra.output_subdir": "null", "hydra/job_logging": "none",
-               "hydra/hydra_logging": "none"}
+               "hydra/hydra_logging": "none", "hydra/help": "scaffold_data"}
+# Keys this command reads that do not change a dataset's bytes (listed apart in --help; `progress` is
+# left out there, its docstring is about training epochs).
+LOGISTICS = ("data.cache_dir", "data.workers")
+
+
+def defining_keys() -> list[str]:
+    """The schema's keys that define a dataset: those of its cache key (store.data_key), which is the
+    one list of what the bytes depend on."""
+    import numpy as np
+
+    names = data_key(DataConfig(), 1, 0, np.zeros(0))
+    top, data = {f.name for f in fields(Config)}, {f.name for f in fields(DataConfig)}
+    # data_key's names are unprefixed; its entries that are no config key (the format version, the
+    # class library's digest) are not for the user to set.
+    return [n if n in top else f"data.{n}" for n in names if n in top or n in data]
+
+
+def register_help() -> None:
+    """Stores this command's --help page as hydra/help `scaffold_data` (selected in QUIET_HYDRA)."""
+    from hydra.core.config_store import ConfigStore
+
+    from .. import help as help_page
+
+    header, body = help_page.data_page(defining_keys(), LOGISTICS)
+    ConfigStore.instance().store(group="hydra/help", name="scaffold_data",
+                                 node=help_page.hydra_help_node("scaffold.data", header, body))
 
 
 def describe(path: pathlib.Path) -> str:
@@ -49,5 +77,6 @@ def _with_quiet_hydra(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     register()
+    register_help()
     sys.argv = _with_quiet_hydra(sys.argv)
     main()

@@ -4,12 +4,23 @@ Layout: `train/masks`, `val/masks` (uint8 (n, E, E, E), one volume per gzip-comp
 `palette` (float32 (n_classes, 3), background row 0), `class_counts` (int64 voxel count per label over
 the training split, for the loss weights) and attributes `format_version`, `package_version`,
 `created` (UTC ISO time), `config` (the data-defining config as JSON) and `complete`, written last.
+Every dataset also says what it holds in its own attributes (`description`, `layout`, `units`; the masks
+their `labels` and `class_names`, the palette its `input_rule`), so `h5ls -v` (names), `h5dump -A`
+(values) or h5py explain the file without this code. They are descriptive only: readers never need them, and files written before them
+are still valid (FORMAT_VERSION and the cache key are unchanged).
 
 Only masks are stored: the network input is palette[mask], built on the device (see loader.py).
 
+Where: `cache_dir(data_cfg.cache_dir)`. An explicit `data.cache_dir` wins; the default (`auto`) is one
+cache per user, shared by every working directory: `$SCAFFOLD_CACHE` if set, else
+`$XDG_CACHE_HOME/scaffold`, else `~/.cache/scaffold`.
+
 The file is written under a temporary name in the destination folder and renamed with os.replace, so a
 crash never leaves a torn dataset under the real name. A file that exists but is not a complete
-dataset of the expected config is reported in one warning line and regenerated.
+dataset of the expected config is reported in one warning line and regenerated. Concurrent runs that
+miss the same dataset each generate it under their own temporary name; the renames are atomic and the
+files identical (but for their `created` time), so every reader opens a complete dataset and a
+reader that already has the file open keeps its copy.
 """
 from __future__ import annotations
 
@@ -78,21 +89,48 @@ def _file_name(key: dict) -> str:
     return f"fractals-s{key['scale']}-{digest[:12]}.h5"
 
 
+AUTO_CACHE = "auto"  # data.cache_dir's default: the per-user cache below
+CACHE_ENV = "SCAFFOLD_CACHE"
+
+
+def cache_location(setting: Any) -> tuple[pathlib.Path, str]:
+    """The dataset folder for a `data.cache_dir` value, and what chose it (for error messages).
+
+    An explicit folder wins (relative to the working directory; `./auto` names a folder called auto).
+    `auto` is one cache per user, so runs started from different directories share their datasets:
+    $SCAFFOLD_CACHE, else $XDG_CACHE_HOME/scaffold, else ~/.cache/scaffold."""
+    setting = str(setting)
+    if setting != AUTO_CACHE:
+        return pathlib.Path(setting).expanduser(), "data.cache_dir"
+    env = os.environ.get(CACHE_ENV, "")
+    if env:
+        return pathlib.Path(env).expanduser(), CACHE_ENV
+    # The XDG spec says to ignore a relative XDG_CACHE_HOME.
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = pathlib.Path(xdg) if xdg and os.path.isabs(xdg) else pathlib.Path.home() / ".cache"
+    return base / "scaffold", "data.cache_dir"
+
+
+def cache_dir(setting: Any) -> pathlib.Path:
+    """The dataset folder for a `data.cache_dir` value (see cache_location)."""
+    return cache_location(setting)[0]
+
+
 def dataset_path(data_cfg: Any, scale: int, seed: int) -> pathlib.Path:
     """Where the dataset of this config lives (whether or not it exists yet)."""
     validate_data(data_cfg, scale)
     key = data_key(data_cfg, scale, seed, _classes(data_cfg))
-    return pathlib.Path(str(data_cfg.cache_dir)) / _file_name(key)
+    return cache_dir(data_cfg.cache_dir) / _file_name(key)
 
 
-def _ensure_writable(folder: pathlib.Path) -> None:
+def _ensure_writable(folder: pathlib.Path, source: str = "data.cache_dir") -> None:
     """Create the folder and prove a file can be written there, or raise a one-line ConfigError."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
             pass
     except OSError as err:
-        raise ConfigError(f"data.cache_dir={str(folder)!r}: cannot write there "
+        raise ConfigError(f"{source}={str(folder)!r}: cannot write there "
                           f"({err.strerror or type(err).__name__})") from None
 
 
@@ -146,9 +184,45 @@ def _write(path: pathlib.Path, plan: Plan, key: dict, workers: int, progress: bo
             masks[split].id.write_direct_chunk((row, 0, 0, 0), volume.chunk)
             if split == "train":
                 counts += volume.counts
-        f.create_dataset("palette", data=make_palette(len(plan.classes), plan.seed))
-        f.create_dataset("class_counts", data=counts)
+        palette = f.create_dataset("palette", data=make_palette(len(plan.classes), plan.seed))
+        class_counts = f.create_dataset("class_counts", data=counts)
+        _describe(f, masks, palette, class_counts, edge, int(key["scale"]))
         f.attrs["complete"] = True
+
+
+def class_names(n_categories: int) -> list[str]:
+    """Label k's name: background for 0, then the classes in library order."""
+    return ["background"] + [f"fractal class {k}" for k in range(1, n_categories + 1)]
+
+
+def _describe(f: h5py.File, masks: dict, palette: h5py.Dataset, class_counts: h5py.Dataset, edge: int,
+              scale: int) -> None:
+    """Attributes that say what each dataset holds, for readers of the file without this package."""
+    n_classes = palette.shape[0]
+    names = class_names(n_classes - 1)
+    f.attrs["description"] = ("scaffold fractal segmentation dataset: label masks per split, the RGB "
+                              "palette that makes the network input (input = palette[mask]), and the "
+                              "training split's voxel count per label")
+    for split, dataset in masks.items():
+        dataset.attrs["description"] = f"{split} split: one label mask per volume"
+        dataset.attrs["labels"] = np.arange(n_classes, dtype=np.uint8)
+        dataset.attrs["class_names"] = names
+        dataset.attrs["label_meaning"] = (f"0 = background, k = 1..{n_classes - 1} = fractal class k "
+                                          "(row k-1 of the class library; later fractals overwrite earlier)")
+        dataset.attrs["dtype_meaning"] = "uint8 label per voxel (a class index, not an intensity)"
+        dataset.attrs["layout"] = "N, D, H, W (volume, depth, height, width)"
+        dataset.attrs["units"] = f"voxels; edge {edge} = 2^scale, scale {scale}"
+    palette.attrs["description"] = "RGB colour per label, input = palette[mask]"
+    palette.attrs["input_rule"] = ("input = palette[mask]: each voxel's label picks its RGB row, giving the "
+                                   "network's 3-channel input; row 0 (background) is black")
+    palette.attrs["layout"] = "label, channel (R, G, B)"
+    palette.attrs["units"] = "colour intensity in [0, 1)"
+    palette.attrs["class_names"] = names
+    class_counts.attrs["description"] = ("voxels per label over the training split "
+                                         "(the loss's class weights come from these)")
+    class_counts.attrs["layout"] = "label"
+    class_counts.attrs["units"] = "voxels"
+    class_counts.attrs["class_names"] = names
 
 
 def prepare(data_cfg: Any, scale: int, seed: int, progress: bool = True) -> pathlib.Path:
@@ -157,8 +231,9 @@ def prepare(data_cfg: Any, scale: int, seed: int, progress: bool = True) -> path
     classes = _classes(data_cfg)
     key = data_key(data_cfg, scale, seed, classes)
     plan = plan_dataset(data_cfg, scale, seed, classes)
-    path = pathlib.Path(str(data_cfg.cache_dir)) / _file_name(key)
-    _ensure_writable(path.parent)
+    folder, source = cache_location(data_cfg.cache_dir)
+    path = folder / _file_name(key)
+    _ensure_writable(folder, source)
     if path.exists():
         problem = _problem(path, key)
         if problem is None:
