@@ -19,12 +19,12 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from scaffold.config import RETIRED_MORE_DETERMINISM, Config, ConfigError, validate
+from scaffold.config import RETIRED, Config, ConfigError, validate
 
 # Keys a resumed run may change: they do not alter what has been computed so far.
 RESUME_MUTABLE = {"epochs", "target_dice", "checkpoint_interval", "progress", "profile", "device",
                   "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph", "parallel.timeout_s",
-                  "objective"}
+                  "objective", "logger"}
 
 
 def conf_dir() -> str:
@@ -48,8 +48,43 @@ def config_groups() -> dict[str, list[str]]:
 OPTUNA_MISSING = "needs Hydra's Optuna sweeper (pip install 'scaffold[optuna]')"
 
 
+def _has_plugin(module: str) -> bool:
+    """Whether a Hydra plugin package (hydra_plugins.NAME) is installed. find_spec imports the parent
+    namespace first, which is absent altogether when no plugin is installed."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _has_optuna() -> bool:
-    return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+    return _has_plugin("hydra_plugins.hydra_optuna_sweeper")
+
+
+# hydra/launcher choices served by hydra-submitit-launcher: conf/hydra/launcher/slurm.yaml and the
+# plugin's own two. Without the plugin Hydra fails on them with a multi-line composition error.
+SUBMITIT_LAUNCHERS = ("slurm", "submitit_slurm", "submitit_local")
+
+
+def check_launcher(parsed: list) -> None:
+    """A one-line error, before Hydra starts, for a launcher that cannot run here: a submitit one
+    without its plugin, or a Slurm one where Slurm's srun is missing (submitit would fail on it only
+    once the sweep is submitted, with a traceback)."""
+    import shutil
+
+    for o in parsed:
+        if o.key_or_group != "hydra/launcher" or o.is_delete() or o.is_sweep_override():
+            continue
+        name = str(o.value())
+        if name not in SUBMITIT_LAUNCHERS:
+            continue
+        if not _has_plugin("hydra_plugins.hydra_submitit_launcher"):
+            raise ConfigError(f"hydra/launcher={name} needs hydra-submitit-launcher: "
+                              "pip install 'scaffold[slurm]'")
+        if name != "submitit_local" and shutil.which("srun") is None:
+            raise ConfigError(f"hydra/launcher={name}: Slurm's srun is not on PATH here (submit from a "
+                              "Slurm login node; hydra/launcher=submitit_local runs the sweep on this "
+                              "machine)")
 
 
 def _preset_params(parsed: list) -> dict[str, Any]:
@@ -128,6 +163,7 @@ def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
     args = [a for a in argv if "=" in a and not a.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(args)
+        check_launcher(parsed)
         # A chosen preset's sweeper params are a search space too: checked like the command line's
         # sweeps, except where the command line replaces them (as the sweeper does).
         given = {o.key_or_group for o in parsed}
@@ -141,8 +177,8 @@ def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
     groups = config_groups()  # presets are chosen by name (checked above), not keys of the schema
     for o in parsed:
         key = o.key_or_group
-        if key == "more_determinism":
-            raise ConfigError(RETIRED_MORE_DETERMINISM)
+        if key in RETIRED:
+            raise ConfigError(RETIRED[key])
         if key.startswith("hydra") or o.is_delete() or key in groups:
             continue
         if o.is_sweep_override():

@@ -173,8 +173,11 @@ def kernel_module(name: str) -> Any:
             _LOADED[name] = importlib.import_module(name)
         except Exception as exc:  # a missing or broken kernel module
             _LOADED[name] = None
-            warnings.warn(f"Triton rung unavailable, running vendor: {name}: {type(exc).__name__}: {exc}"
-                          .splitlines()[0], LadderWarning, stacklevel=2)
+            if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "triton":
+                why = "Triton is not installed (pip install 'scaffold[triton]')"
+            else:
+                why = f"{name}: {type(exc).__name__}: {exc}".splitlines()[0]
+            warnings.warn(f"Triton rung unavailable, running vendor: {why}", LadderWarning, stacklevel=2)
     return _LOADED[name]
 
 
