@@ -8,11 +8,14 @@ such as Optuna's draws from), including the intervals of a preset's sweeper para
 """
 from __future__ import annotations
 
+import errno
 import importlib.resources
 import importlib.util
 import json
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -155,12 +158,13 @@ def _apply(node: Any, key: str, value: Any, sweep: Any = None) -> None:
         raise ConfigError(_in_sweep(f"{key}={value!r}: {msg}", sweep)) from None
 
 
-def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
-    """Check overrides against the schema; returns argv, with Hydra's run dir pointed at a resumed run."""
+def preflight(argv: list[str], check_resume: bool = True, claim: bool = False) -> list[str]:
+    """Check overrides against the schema; returns argv, with Hydra's run dir pointed at a resumed run
+    (or, with `claim`, at a new run's directory created here: see claim_run_dir)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    args = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = [a for a in argv if ("=" in a or a.startswith("~")) and not a.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(args)
         check_launcher(parsed)
@@ -179,7 +183,10 @@ def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
         key = o.key_or_group
         if key in RETIRED:
             raise ConfigError(RETIRED[key])
-        if key.startswith("hydra") or o.is_delete() or key in groups:
+        if o.is_delete() and not key.startswith("hydra") and key not in groups:
+            raise ConfigError(f"~{key}: a key of the schema cannot be deleted (set it instead: "
+                              f"{key}=VALUE)")
+        if key.startswith("hydra") or key in groups:
             continue
         if o.is_sweep_override():
             values = _sweep_values(o)
@@ -215,34 +222,141 @@ def preflight(argv: list[str], check_resume: bool = True) -> list[str]:
         # ranks must not create directories or logs of their own.
         argv = argv + ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
                        "hydra/hydra_logging=disabled"]
+    if resume is None and int(os.environ.get("RANK", "0")) == 0:
+        for o in parsed:  # a new run in a directory that already holds one would overwrite its record
+            if o.key_or_group == "hydra.run.dir" and not o.is_sweep_override():
+                existing = Path(str(o.value()))
+                if (existing / "run.json").exists():
+                    raise ConfigError(f"hydra.run.dir={existing} already holds a run (resume={existing} "
+                                      "continues it; a new run needs another directory)")
+        argv = claim_run_dir(argv, parsed) if claim else argv
     if resume is not None and check_resume:
         run_dir = Path(str(resume))
-        if not run_dir.is_dir():
-            raise ConfigError(f"resume={resume}: no such run directory")
-        if not (run_dir / "run.json").is_file():
-            raise ConfigError(f"resume={resume}: not a scaffold run directory (no run.json)")
+        check_resume_dir(run_dir, resume)
         if not any(a.startswith("hydra.run.dir=") for a in argv):
             # Continue in the run's own directory; do not let Hydra overwrite its .hydra/ record.
             argv = argv + [f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
     return argv
 
 
+# Errors of the storage rather than of the program: a full disk or quota, a read-only filesystem, a
+# failing device. They end a run with one line (what was being written, and why), not a traceback.
+STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion",
+                           "-sc", "--resolve", "-p", "--package")
+CONFIG_SELECTORS = ("--config-name", "-cn", "--config-path", "-cp")
+
+
+def _probe_writable(folder: Path) -> Optional[str]:
+    """Why a file cannot be created in `folder` (None when one can). Creating one is the only honest
+    test: os.access says yes to root on a read-only filesystem or in /proc."""
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".write-probe-"):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
 def _check_output_dir(key: str, path: str) -> None:
-    """The run directory can be created: its nearest existing ancestor is a writable folder."""
+    """The run directory can be created: a file can be created in its nearest existing ancestor."""
     if "${" in path:  # an interpolation Hydra resolves later: check the fixed part before it
         path = path.split("${", 1)[0] or "."
     ancestor = Path(path).absolute()
     while not ancestor.exists():
         ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+    why = "not a folder" if not ancestor.is_dir() else _probe_writable(ancestor)
+    if why:
         raise ConfigError(f"{key}={path}: cannot create the run directory ({ancestor} is not a writable "
-                          "folder)")
+                          f"folder: {why})")
+
+
+def _hydra_dirs() -> dict[str, str]:
+    """conf/config.yaml's hydra.run.dir and hydra.sweep.dir patterns, unresolved."""
+    conf = OmegaConf.load(_conf_root() / "config.yaml")
+    dirs = OmegaConf.to_container(conf.hydra, resolve=False)
+    return {"hydra.run.dir": dirs["run"]["dir"], "hydra.sweep.dir": dirs["sweep"]["dir"]}
+
+
+CLAIMED: Optional[Path] = None  # the run (or sweep) directory preflight created for this process, if any
+CLAIMED_RUN = False  # whether CLAIMED is a single run's directory (not a sweep's)
+
+
+def claim_run_dir(argv: list[str], parsed: list) -> list[str]:
+    """A new run's directory, created here with an exclusive mkdir, so two runs started in the same
+    second (Hydra names the directory by the second) never share one: the second gets `TIME-2`. Left
+    to Hydra when the command names the directory, picks another config file, or runs nothing."""
+    global CLAIMED, CLAIMED_RUN
+    if any(a in HYDRA_FLAGS_WITHOUT_RUN or a.split("=")[0] in CONFIG_SELECTORS for a in argv):
+        return argv
+    key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in argv) else "hydra.run.dir"
+    if any(o.key_or_group == key for o in parsed):
+        return argv
+    from scaffold import rundir
+
+    pattern = _hydra_dirs()[key]
+    if not rundir.is_fixed(pattern):
+        return argv
+    try:
+        CLAIMED, CLAIMED_RUN = rundir.claim_new(pattern).absolute(), key == "hydra.run.dir"
+    except OSError as e:
+        raise ConfigError(f"{key}={pattern}: cannot create the run directory ({e.strerror or e})") from None
+    return argv + [f"{key}={CLAIMED}"]
+
+
+def remove_unused_run_dir(run_dir: Path) -> None:
+    """Remove what Hydra and the pre-flight created for a run that stopped before it began (no run.json):
+    its `.hydra/` record, the log and the lock; the directory itself when nothing else is in it."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or (run_dir / "run.json").exists():
+        return
+    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+    for name in ("train.log", ".lock"):
+        (run_dir / name).unlink(missing_ok=True)
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass  # the user's own files are in it: leave it
+
+
+def check_resume_dir(run_dir: Path, resume: Any) -> None:
+    """A run directory a resume can use: a scaffold run with a readable run.json, writable, and not in
+    use by a live process."""
+    from scaffold import rundir
+
+    if not run_dir.is_dir():
+        raise ConfigError(f"resume={resume}: no such run directory")
+    if not (run_dir / "run.json").is_file():
+        raise ConfigError(f"resume={resume}: not a scaffold run directory (no run.json)")
+    read_run_record(run_dir)
+    why = _probe_writable(run_dir)
+    if why:
+        raise ConfigError(f"resume={resume}: the run directory is not writable ({why})")
+    try:
+        rundir.check_free(run_dir)
+    except rundir.RunDirBusy as e:
+        raise ConfigError(str(e)) from None
+
+
+def read_run_record(run_dir: Path) -> dict:
+    """run.json's config as a dict, or a one-line ConfigError naming what is wrong with it."""
+    path = Path(run_dir) / "run.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable run record ({type(e).__name__}: {_one_line(e)})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        raise ConfigError(f"{path}: not a run record (no 'config' section)")
+    return record["config"]
 
 
 def resumed_config(run_dir: Path, cfg: Any, overrides: list[str]) -> Any:
     """The run's own config, with the overrides a resume may change; others must not differ."""
-    saved = json.loads((Path(run_dir) / "run.json").read_text())["config"]
-    base = OmegaConf.merge(OmegaConf.structured(Config), saved)
+    saved = read_run_record(run_dir)
+    try:
+        base = OmegaConf.merge(OmegaConf.structured(Config), saved)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{Path(run_dir) / 'run.json'}: its config does not fit this version's schema "
+                          f"({_one_line(e)})") from None
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~")
         if key.startswith("hydra"):

@@ -11,6 +11,8 @@ Defaults follow upstream ScaFFold's benchmark, except `scale`: its default is sm
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -167,6 +169,15 @@ def _need(ok: bool, key: str, expected: str, value: Any) -> None:
         raise ConfigError(f"{key}={value!r}: expected {expected}")
 
 
+def _finite(value: Any) -> bool:
+    """A real number that is neither infinite nor NaN (the comparisons below are False for NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# A learning rate above this is a typo (Adam's steps are ~lr per parameter): it diverges in one step.
+MAX_LR = 10.0
+
+
 def validate_data(data: Any, scale: int) -> None:
     """Checks of what defines a dataset (shared by the trainer and `python -m scaffold.data`)."""
     _need(isinstance(scale, int) and scale > 0, "scale", "a positive integer", scale)
@@ -220,7 +231,7 @@ def validate(cfg: Any) -> None:
     _need(cfg.epochs == -1 or cfg.epochs > 0, "epochs", "a positive integer or -1 (until converged)",
           cfg.epochs)
     _need(cfg.batch_size > 0, "batch_size", "a positive integer", cfg.batch_size)
-    _need(cfg.lr > 0, "lr", "a number > 0", cfg.lr)
+    _need(_finite(cfg.lr) and 0 < cfg.lr <= MAX_LR, "lr", f"a number in (0, {MAX_LR:g}]", cfg.lr)
     _need(0 < cfg.target_dice <= 1, "target_dice", "a number in (0, 1]", cfg.target_dice)
     _need(cfg.determinism in DETERMINISM_MODES, "determinism", " | ".join(DETERMINISM_MODES),
           cfg.determinism)
@@ -251,13 +262,18 @@ def validate(cfg: Any) -> None:
     logger = getattr(cfg, "logger", "none")
     _need(logger in LOGGERS, "logger", " | ".join(LOGGERS), logger)
     check_available(logger)  # a missing package fails here, before any work
-    _need(cfg.parallel.timeout_s > 0, "parallel.timeout_s", "a number of seconds > 0", cfg.parallel.timeout_s)
+    _need(_finite(cfg.parallel.timeout_s) and cfg.parallel.timeout_s > 0, "parallel.timeout_s",
+          "a finite number of seconds > 0", cfg.parallel.timeout_s)
     o = cfg.optim
-    _need(o.weight_decay >= 0, "optim.weight_decay", "a number >= 0", o.weight_decay)  # Adam raises on < 0
-    _need(o.grad_clip >= 0, "optim.grad_clip", "a number >= 0 (0 disables)", o.grad_clip)
+    # Adam raises on a negative weight decay only at its first step, after the dataset is built.
+    _need(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", "a finite number >= 0",
+          o.weight_decay)
+    _need(_finite(o.grad_clip) and o.grad_clip >= 0, "optim.grad_clip", "a finite number >= 0 (0 disables)",
+          o.grad_clip)
     _need(o.t0 > 0, "optim.t0", "a positive integer", o.t0)
     _need(o.t_mult >= 1, "optim.t_mult", "an integer >= 1", o.t_mult)
-    _need(o.eta_min >= 0, "optim.eta_min", "a number >= 0", o.eta_min)
+    _need(_finite(o.eta_min) and 0 <= o.eta_min <= cfg.lr, "optim.eta_min",
+          f"a number in [0, lr] (lr={cfg.lr!r})", o.eta_min)
 
 
 def register() -> None:

@@ -28,11 +28,14 @@ Only the timing and machine columns (WALL_CLOCK) may differ between two runs of 
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 from scaffold.files import atomic_open
+
+log = logging.getLogger("scaffold")
 
 UPSTREAM_COLUMNS = (
     "epoch", "epoch_loss", "overall_loss", "val_loss_epoch", "val_loss_avg", "train_dice", "val_dice",
@@ -59,21 +62,45 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-class StatsFile:
-    """Appends rows to train_stats.csv; on resume, first drops rows past the checkpoint's epoch. A
-    tracker (scaffold.tracking), when given, receives every row after it is on disk."""
+class StatsError(RuntimeError):
+    """train_stats.csv cannot be continued; the message is one line."""
 
-    def __init__(self, path: Path, keep_through_epoch: int = 0, tracker: Any = None):
+
+class StatsFile:
+    """Appends rows to train_stats.csv. On resume it keeps the rows through the checkpoint's epoch and
+    drops later ones; when the file is missing, unreadable or disagrees with the rows the checkpoint
+    recorded (`known`), it is rebuilt from those (the old file kept beside it), and said so. A tracker
+    (scaffold.tracking), when given, receives every row after it is on disk."""
+
+    def __init__(self, path: Path, keep_through_epoch: int = 0, tracker: Any = None,
+                 known: Optional[list[dict[str, Any]]] = None):
         self.path = Path(path)
         self.tracker = tracker
-        if keep_through_epoch > 0 and self.path.exists():
-            self._truncate(keep_through_epoch)
+        if keep_through_epoch > 0:
+            self._resume(keep_through_epoch, known)
         else:
             self._write_atomic([])
 
-    def _truncate(self, last_epoch: int) -> None:
-        rows = [r for r in read_rows(self.path) if int(r["epoch"]) <= last_epoch]
-        self._write_atomic(rows)
+    def _resume(self, last_epoch: int, known: Optional[list[dict[str, Any]]]) -> None:
+        expected = [[_cell(r[c]) for c in COLUMNS] for r in known or [] if int(r["epoch"]) <= last_epoch]
+        problem, rows = _check(self.path, last_epoch, expected if known is not None else None)
+        if problem is None:
+            self._write_atomic(rows)
+            return
+        if known is None or len(expected) != last_epoch:
+            raise StatsError(f"{self.path}: {problem}, and the checkpoint holds no record of the epochs to "
+                             "rebuild it from (restore the file, or start a new run)")
+        kept = ""
+        if self.path.exists():
+            aside, n = self.path.with_name(f"{self.path.name}.damaged"), 1
+            while aside.exists():  # an earlier damaged copy is kept too
+                n += 1
+                aside = self.path.with_name(f"{self.path.name}.damaged-{n}")
+            os.replace(self.path, aside)
+            kept = f"; the old file is kept as {aside.name}"
+        self._write_atomic([dict(zip(COLUMNS, r)) for r in expected])
+        log.warning("%s: %s: rebuilt from the checkpoint's records of epochs 1-%d%s", self.path, problem,
+                    last_epoch, kept)
 
     def _write_atomic(self, rows: Iterable[dict[str, str]]) -> None:
         with atomic_open(self.path, "w", newline="") as f:
@@ -92,6 +119,31 @@ class StatsFile:
             os.fsync(f.fileno())
         if self.tracker is not None:
             self.tracker.log_epoch(row)
+
+
+def _check(path: Path, last_epoch: int, expected: Optional[list[list[str]]]
+           ) -> tuple[Optional[str], list[dict[str, str]]]:
+    """(what is wrong with the CSV, or None; its rows through `last_epoch`)."""
+    if not path.exists():
+        return "missing", []
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            lines = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        return f"unreadable ({type(e).__name__})", []
+    if header is None or tuple(header) != COLUMNS:
+        return "not a train_stats.csv of this version (header differs)", []
+    try:
+        kept = [x for x in lines if int(x[0]) <= last_epoch]
+    except (ValueError, IndexError):
+        return "damaged (a row without an epoch number)", []
+    if [int(x[0]) for x in kept] != list(range(1, last_epoch + 1)):
+        return f"damaged (its rows do not run from epoch 1 to {last_epoch})", []
+    if expected is not None and kept != expected:
+        return "damaged (its rows differ from the checkpoint's records)", []
+    return None, [dict(zip(COLUMNS, x)) for x in kept]
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:

@@ -47,7 +47,8 @@ def _task(cfg) -> float:
     from hydra.types import RunMode
 
     from scaffold import worker
-    from scaffold.trainer import Diverged
+    from scaffold.stats import StatsError
+    from scaffold.trainer import Diverged, Interrupted
 
     hc = HydraConfig.get()
     overrides = [o for o in hc.overrides.task if not o.startswith("resume=")]
@@ -57,8 +58,20 @@ def _task(cfg) -> float:
             run_dir = Path(cfg.resume)
             cfg = cli.resumed_config(run_dir, cfg, overrides)
         result = worker.run(cfg, run_dir, resume=cfg.resume is not None, overrides=overrides)
-    except (ConfigError, CheckpointError, Diverged) as e:
+    except Interrupted as e:
+        # Preemption or Ctrl-C: what could be saved is saved; the sweep (if any) ends here too.
+        log.warning("%s", e)
+        print(f"{e} (resume={run_dir} continues it)", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except (ConfigError, CheckpointError, StatsError, Diverged, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in cli.STORAGE_ERRORS:
+            raise  # not a full or read-only disk: a bug to see whole
+        if isinstance(e, OSError):
+            e = ConfigError(f"{e.filename or run_dir}: {e.strerror} (files are written to a temporary name "
+                            "and renamed: none is left half-written)")
         log.error("%s", e)
+        if cfg.resume is None and hc.mode != RunMode.MULTIRUN:
+            cli.remove_unused_run_dir(run_dir)  # a run that never started leaves no directory behind
         if hc.mode == RunMode.MULTIRUN:
             # One failed job should not end the sweep. Optuna's sweeper ends the whole study on a job
             # that raises or returns a non-number (NaN included; max_failure_rate defaults to 0), but
@@ -72,14 +85,34 @@ def _task(cfg) -> float:
     return value
 
 
+def _one_line_warnings() -> None:
+    """Our own warnings (a ladder rung that cannot run, say) as one line each, without the source line
+    Python's default format appends."""
+    import warnings
+
+    default = warnings.formatwarning
+
+    def fmt(message, category, filename, lineno, line=None):
+        if category.__module__.startswith("scaffold."):
+            return f"warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = fmt
+
+
 def main() -> None:
+    _one_line_warnings()
     try:
-        sys.argv = [sys.argv[0]] + cli.preflight(sys.argv[1:])
+        sys.argv = [sys.argv[0]] + cli.preflight(sys.argv[1:], claim=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     register()
-    _task()
+    try:
+        _task()
+    finally:
+        if cli.CLAIMED is not None and cli.CLAIMED_RUN:
+            cli.remove_unused_run_dir(cli.CLAIMED)  # Hydra failed before the run began: no stray folder
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import signal
 import statistics
 import sys
 import time
@@ -40,6 +41,44 @@ log = logging.getLogger("scaffold")
 
 class Diverged(RuntimeError):
     """A non-finite loss at the end of an epoch; the last good checkpoint is kept."""
+
+
+class Interrupted(RuntimeError):
+    """SIGTERM or SIGINT stopped the run; the message is one line saying what was saved."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopRequest:
+    """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C), turned into a stop at a clean point.
+
+    While the training loop runs (`armed`), a signal only sets `signum`: the loop stops at the next
+    step boundary and checkpoints its position, never in the middle of a step. Outside the loop (dataset,
+    model, warm-up), or on a second signal, it raises Interrupted at once."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self.armed = False
+        self.installed = False
+
+    def __call__(self, signum: int, frame: Any = None) -> None:
+        name = signal.Signals(signum).name
+        if self.armed and self.signum is None:
+            self.signum = signum
+            log.warning("%s received: stopping at the next step boundary (a second one stops at once)", name)
+            return
+        raise Interrupted(signum, f"interrupted by {name} before training could save its position; "
+                                  "the last checkpoint, if any, is kept")
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            signal.signal(signal.SIGTERM, self)
+            signal.signal(signal.SIGINT, self)
+            self.installed = True
 
 
 @dataclass
@@ -130,13 +169,29 @@ class EpochBar:
 
 @dataclass
 class EpochSums:
-    """One epoch's training sums on the device (read once, at epoch end), and its step count."""
+    """One epoch's training sums on the device (read once, at epoch end), and its step count. `samples`
+    and `steps` count the whole epoch, a part run before an interruption included; `done` is False when
+    a stop request ended the epoch early."""
 
     loss: torch.Tensor
     dice: torch.Tensor
     samples: int
     steps: int
     timer: StepTimer
+    done: bool = True
+
+
+@dataclass
+class Position:
+    """Where an interrupted epoch stood: enough to finish it bit for bit after a resume."""
+
+    epoch: int
+    samples: int  # this rank's samples of the epoch already trained
+    steps: int
+    loss: torch.Tensor  # the epoch's partial training sums (on the CPU in a checkpoint)
+    dice: torch.Tensor
+    seconds: float  # wall and CPU time the epoch had taken (wall-clock columns only)
+    cpu_seconds: float
 
 
 class Trainer:
@@ -153,6 +208,9 @@ class Trainer:
             self.optimizer, T_0=cfg.optim.t0, T_mult=cfg.optim.t_mult, eta_min=cfg.optim.eta_min)
         self.train_step = self._train_step(self.net, self.optimizer)
         self.progress = Progress()
+        self.rows: list[dict[str, Any]] = []  # the CSV rows so far, kept in checkpoints
+        self.position: Optional[Position] = None  # set by a resume from an interrupted epoch
+        self.stop = StopRequest()
         self.on_first_step = None  # callback() after the first real step (the census)
 
     def _train_step(self, net, optimizer) -> TrainStep:
@@ -176,16 +234,27 @@ class Trainer:
             return order.pin_memory().to(self.device, non_blocking=True)
         return order
 
-    def train_epoch(self, epoch: int, profiler=None) -> EpochSums:
+    def train_epoch(self, epoch: int, profiler=None, start: Optional[Position] = None) -> EpochSums:
+        """One epoch of steps, or its rest after `start`. Stops early at a step boundary when a stop is
+        requested in a single process (ranks of a larger job stop together at the epoch's end instead:
+        only the epoch's one all-reduce can tell them all)."""
         order = self.batch_order(epoch)
         bs = self.cfg.batch_size
         loss_sum = torch.zeros((), device=self.device)
         dice_sum = torch.zeros((), device=self.device)
+        first, steps = 0, 0
+        if start is not None:
+            loss_sum.copy_(start.loss)
+            dice_sum.copy_(start.dice)
+            first, steps = start.samples, start.steps
         timer = StepTimer(self.device)
         bar = EpochBar(self.cfg.progress and self.place.is_main, len(order), f"epoch {epoch}")
-        steps = 0
+        bar.update(first)
         self.net.train()
-        for i in range(0, len(order), bs):
+        for i in range(first, len(order), bs):
+            if self.stop.signum is not None and self.place.world == 1:
+                bar.close()
+                return EpochSums(loss_sum, dice_sum, i, steps, timer, done=False)
             masks = self.vol.train.index_select(0, order[i:i + bs])
             begun = timer.start()
             loss, dice = self.step(masks)
@@ -254,44 +323,70 @@ class Trainer:
         return self.train_step.capture(self.vol.train[: self.cfg.batch_size], required)
 
     # ------------------------------------------------------------------------------ checkpoints
-    def state(self) -> dict[str, Any]:
-        return {
+    def state(self, position: Optional[Position] = None) -> dict[str, Any]:
+        state = {
             "epoch": self.progress.epoch,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": determinism.rng_state(),
             "progress": asdict(self.progress),
+            "rows": list(self.rows),
         }
+        if position is not None:
+            state["position"] = {**asdict(position), "loss": position.loss.cpu(), "dice": position.dice.cpu()}
+        return state
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+    def load_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as e:  # another model's checkpoint: torch lists every mismatch, one per line
+            raise checkpoint.CheckpointError(f"{source}: holds a different model than this config builds "
+                                             f"({_first_mismatch(e)})") from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.progress = Progress(**state["progress"])
+        self.rows = list(state.get("rows", []))
+        pos = state.get("position")
+        self.position = Position(**pos) if pos else None
         determinism.set_rng_state(state["rng"])
 
     # ------------------------------------------------------------------------------------- fit
     def fit(self, stats: Optional[StatsFile], profile: bool = False) -> Progress:
         """Epochs until the validation Dice reaches the target or the epoch cap; returns the bookkeeping."""
+        self.stop.armed = True
+        try:
+            self._fit(stats, profile, self.run_dir / "checkpoints")
+        finally:
+            self.stop.armed = False
+        return self.progress
+
+    def _fit(self, stats: Optional[StatsFile], profile: bool, ckpt_dir: Path) -> None:
         cfg, p = self.cfg, self.progress
-        ckpt_dir = self.run_dir / "checkpoints"
         first = True  # the profiler window covers the first epoch this invocation runs
         while p.time_to_target is None and (cfg.epochs == -1 or p.epoch < cfg.epochs):
             epoch = p.epoch + 1
             lr = self.optimizer.param_groups[0]["lr"]
             profiler = _profiler(self.run_dir) if profile and first and self.place.is_main else None
             first = False
+            start, self.position = self.position, None
             t0, cpu0 = time.perf_counter(), time.process_time()
+            if start is not None:  # the epoch was interrupted: count the time it had already taken
+                t0, cpu0 = t0 - start.seconds, cpu0 - start.cpu_seconds
             with profiler or nullcontext():
-                tr = self.train_epoch(epoch, profiler)
+                tr = self.train_epoch(epoch, profiler, start)
+            if not tr.done:
+                self._save_position(epoch, tr, t0, cpu0, ckpt_dir)
             val = self.evaluate()
-            # The one reduction and the one read of the epoch: the training sums of every rank and
-            # the validation values of every sample, summed over ranks in one all-reduce.
-            reduced = distributed.all_reduce_sum(torch.cat([torch.stack([tr.loss, tr.dice]), val.flatten()]),
-                                                 self.place)
-            sums = torch.cat([reduced[:2], reduced[2:].view(2, -1).sum(1)])
-            loss_sum, dice_sum, vloss_sum, vdice_sum = sums.tolist()
+            # The one reduction and the one read of the epoch: the training sums of every rank, the
+            # validation values of every sample and whether any rank was asked to stop, summed over
+            # ranks in one all-reduce.
+            stop = torch.full((1,), float(self.stop.signum is not None), device=self.device)
+            reduced = distributed.all_reduce_sum(
+                torch.cat([torch.stack([tr.loss, tr.dice]), stop, val.flatten()]), self.place)
+            sums = torch.cat([reduced[:3], reduced[3:].view(2, -1).sum(1)])
+            loss_sum, dice_sum, stops, vloss_sum, vdice_sum = sums.tolist()
+            stop_signum = (self.stop.signum or signal.SIGTERM) if stops else 0
             n_train, n_val = tr.samples * self.place.world, val.shape[1]
             step_ms = tr.timer.median_ms()
             self.scheduler.step()
@@ -319,22 +414,42 @@ class Trainer:
                 "is_best": is_best, "train_time": p.train_time, "cpu_time": cpu,
                 "load_avg": load[0] if load else math.nan,
             }
+            self.rows.append(row)
             if stats is not None:
                 stats.append(row)
             log.info("epoch %d | loss %.5f | val loss %.5f | train dice %.4f | val dice %.4f | lr %.2e | "
                      "step %.1f ms | %.1f s%s", epoch, overall, val_avg, row["train_dice"], val_dice, lr,
                      step_ms, duration, " | best" if is_best else "")
             if not finite:
-                raise Diverged(f"non-finite loss at epoch {epoch} (train {overall}, validation {val_avg}); "
-                               f"the last good checkpoint is kept in {ckpt_dir}")
+                kept = (f"the last good checkpoint is kept in {ckpt_dir}" if (ckpt_dir / checkpoint.LAST).exists()
+                        else "no checkpoint was written before it")
+                raise Diverged(f"non-finite loss at epoch {epoch} (train {overall}, validation {val_avg}); {kept}")
             interval = cfg.checkpoint_interval
             due = (interval > 0 and epoch % interval == 0) or is_best or p.time_to_target is not None \
-                or (cfg.epochs != -1 and epoch == cfg.epochs)
+                or (cfg.epochs != -1 and epoch == cfg.epochs) or stop_signum
             if due and self.place.is_main:
                 checkpoint.save(ckpt_dir / checkpoint.LAST, self.state())
                 if is_best:
                     checkpoint.mark_best(ckpt_dir)
-        return p
+            if stop_signum:
+                raise Interrupted(stop_signum, f"interrupted by {signal.Signals(stop_signum).name}: stopped at "
+                                               f"the end of epoch {epoch}, saved in {ckpt_dir / checkpoint.LAST}")
+
+    def _save_position(self, epoch: int, tr: EpochSums, t0: float, cpu0: float, ckpt_dir: Path) -> None:
+        """Checkpoint an epoch stopped at a step boundary (one process), then end the run."""
+        pos = Position(epoch, tr.samples, tr.steps, tr.loss, tr.dice, time.perf_counter() - t0,
+                       time.process_time() - cpu0)
+        checkpoint.save(ckpt_dir / checkpoint.LAST, self.state(pos))
+        name = signal.Signals(self.stop.signum).name
+        raise Interrupted(self.stop.signum, f"interrupted by {name}: epoch {epoch} stopped after {tr.steps} "
+                                            f"steps, position saved in {ckpt_dir / checkpoint.LAST}")
+
+
+def _first_mismatch(e: RuntimeError) -> str:
+    """The first line that names a parameter in load_state_dict's error."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    named = [x for x in lines if x.startswith(("size mismatch", "Missing key", "Unexpected key"))]
+    return (named or lines or ["state dict mismatch"])[0].rstrip(".")
 
 
 def _profiler(run_dir: Path):

@@ -20,13 +20,13 @@ from typing import Any, Optional
 import torch
 
 import scaffold
-from scaffold import checkpoint, determinism, distributed, report
+from scaffold import checkpoint, determinism, distributed, report, rundir
 from scaffold.config import ConfigError, dataset_sizes, validate
 from scaffold.files import write_json
 from scaffold.stats import StatsFile, load_average
 from scaffold.step import wants_graph
 from scaffold.tracking import NullTracker, make_tracker
-from scaffold.trainer import Trainer, Volumes
+from scaffold.trainer import StopRequest, Trainer, Volumes
 
 log = logging.getLogger("scaffold")
 
@@ -105,9 +105,43 @@ def config_dict(cfg: Any) -> dict:
     return OmegaConf.to_container(node, resolve=True)
 
 
+def claim(run_dir: Path, resume: bool) -> rundir.RunLock:
+    """This process's exclusive hold on the run directory (rank 0 only): a second live process on the
+    run, or a new run in a directory that already holds one, is refused in one line."""
+    try:
+        lock = rundir.RunLock(run_dir)
+    except rundir.RunDirBusy as e:
+        raise ConfigError(str(e)) from None
+    if not resume and (run_dir / RUN_FILE).exists():
+        lock.release()
+        raise ConfigError(f"run directory {run_dir} already holds a run (resume={run_dir} continues it; "
+                          "a new run needs another directory)")
+    return lock
+
+
 def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[str]] = None) -> dict:
-    """Train one model; returns the result summary (also written to run_dir/result.json)."""
-    run_dir = Path(run_dir)
+    """Train one model; returns the result summary (also written to run_dir/result.json).
+
+    SIGTERM and SIGINT stop training at a step boundary with the position checkpointed (scaffold.trainer.
+    StopRequest), raising scaffold.trainer.Interrupted; the handlers and the run directory's lock are
+    given back when this returns or raises."""
+    import signal
+
+    stop, held = StopRequest(), []
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop.install()
+    try:
+        return _run(cfg, Path(run_dir), resume, overrides, stop, held)
+    finally:
+        for lock in held:
+            lock.release()
+        if stop.installed:
+            for s, handler in saved.items():
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], stop: StopRequest,
+         held: list) -> dict:
     validate(cfg)
     load_at_start = load_average()  # with the end's, tells a run slowed by other work on the machine
     determinism.configure(cfg.determinism)  # before anything touches CUDA
@@ -118,6 +152,10 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     # Only rank 0 touches the run directory; the others learn its path and whether it works.
     run_dir = Path(distributed.broadcast_object(str(run_dir), place))
     distributed.agree(_attempt(check_writable, run_dir)[1] if place.is_main else None, place)
+    if place.is_main:
+        lock, error = _attempt(claim, run_dir, resume)
+        held += [lock] if lock else []
+    distributed.agree(error if place.is_main else None, place)
 
     n_train, _ = dataset_sizes(cfg.data)
     if place.world > n_train:
@@ -164,6 +202,7 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     trainer = Trainer(cfg, model, loss_fn, volumes, device, run_dir, place, ddp)
+    trainer.stop = stop
     n_params = sum(p.numel() for p in model.parameters())
 
     def on_first_step():
@@ -174,6 +213,18 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
 
     trainer.on_first_step = on_first_step
 
+    # What a resume can find wrong (another model's checkpoint, a stale `best`, a lost or damaged CSV)
+    # is found and settled before the resume is recorded.
+    stats = None  # only rank 0 writes the CSV and feeds the tracker
+    if state:
+        trainer.load_state(state, source=str(ckpt_path))
+        if place.is_main:
+            note = checkpoint.repair_best(run_dir / "checkpoints", state, Path(ckpt_path))
+            if note:
+                log.warning("%s", note)
+    if place.is_main:
+        stats = StatsFile(run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0,
+                          known=state.get("rows") if state else None)
     if place.is_main and not resume:
         write_json(run_dir / RUN_FILE, {
             "config": config_dict(cfg),
@@ -189,15 +240,11 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     elif place.is_main:  # recorded once the resume has passed every check, before it trains
         original_overrides, resumes = record_resume(run_dir, int(state["epoch"]), Path(ckpt_path).name,
                                                     overrides or [])
-    stats = None  # only rank 0 writes the CSV and feeds the tracker
     tracker = NullTracker()
     if place.is_main:
         tracker = make_tracker(cfg, run_dir, resume_epoch=state["epoch"] if state else 0)
-        stats = StatsFile(run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0,
-                          tracker=tracker)
-    if state:
-        trainer.load_state(state)
-        del state
+        stats.tracker = tracker
+    del state
     # Every rank starts from the same parameters (DDP also broadcasts rank 0's at construction).
     start = distributed.fingerprint(model.parameters()) if place.world > 1 else None
     if start is not None:

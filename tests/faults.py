@@ -3,14 +3,24 @@
     torchrun --standalone --nproc-per-node=3 tests/faults.py kill=1@5 KEY=VALUE ...
 
 `kill=R@N` SIGKILLs rank R when it begins its N-th optimizer step (counted from the first step of the
-first epoch); `raise=R@N` makes it raise instead. The other arguments go to scaffold.train as they are.
+first epoch); `raise=R@N` makes it raise instead; `term=R@N` and `int=R@N` send it SIGTERM or SIGINT
+there (the step then runs, as it would when the signal lands during it). `enospc=N` makes the N-th
+checkpoint write fail with ENOSPC after writing some bytes, as a full disk does. Without torchrun the
+one process is rank 0. The other arguments go to scaffold.train as they are.
+
+Also a library of the tests' other injections: `sitecustomize` source that makes a folder look like a
+read-only filesystem to the process, and byte flips.
 """
+import errno
 import os
 import signal
 import sys
+from pathlib import Path
 
 from scaffold.trainer import Trainer
 from scaffold.train import main
+
+SIGNALS = {"term": signal.SIGTERM, "int": signal.SIGINT}
 
 
 def _inject(kind: str, rank: int, at: int) -> None:
@@ -24,19 +34,96 @@ def _inject(kind: str, rank: int, at: int) -> None:
         if calls["n"] == at:
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected failure on rank {rank} at step {at}")
+            if kind in SIGNALS:
+                os.kill(os.getpid(), SIGNALS[kind])
+            else:
+                raise RuntimeError(f"injected failure on rank {rank} at step {at}")
         return real(self, masks)
 
     Trainer.step = step
+
+
+def _full_disk(at: int) -> None:
+    """The at-th checkpoint write writes a little, then fails as a full disk does."""
+    import scaffold.checkpoint as ckpt
+
+    real = ckpt.torch.save
+    calls = {"n": 0}
+
+    def save(obj, f, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == at:
+            f.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(obj, f, *args, **kwargs)
+
+    ckpt.torch.save = save
+
+
+def read_only_site(folder: Path, root: Path) -> Path:
+    """Write a sitecustomize.py into `folder` that makes everything under `root` look like a read-only
+    filesystem to the process (EROFS on creating, writing, renaming or removing); returns `folder`.
+    Tests run as root, for whom permission bits block nothing, so this is how they get a read-only
+    mount without privileges."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(f"""
+import errno, os
+_ROOT = {str(Path(root).resolve())!r}
+_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+def _under(path, dir_fd=None):
+    try:
+        return os.path.realpath(os.fsdecode(path)).startswith(_ROOT)
+    except TypeError:
+        return False
+
+def _ro(path):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+
+def _wrap_open(real):
+    def open_(path, flags, *a, **k):
+        if flags & _WRITE and _under(path):
+            _ro(path)
+        return real(path, flags, *a, **k)
+    return open_
+
+def _wrap_path(real):
+    def fn(path, *a, **k):
+        if _under(path):
+            _ro(path)
+        return real(path, *a, **k)
+    return fn
+
+os.open = _wrap_open(os.open)
+for _name in ("mkdir", "unlink", "remove", "rmdir", "replace", "rename"):
+    setattr(os, _name, _wrap_path(getattr(os, _name)))
+import builtins, io
+_real_open = io.open
+def _open(file, mode="r", *a, **k):
+    if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+") and _under(file):
+        _ro(file)
+    return _real_open(file, mode, *a, **k)
+builtins.open = io.open = _open
+""")
+    return folder
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Flip every bit of one byte of a file in place (offset < 0 counts from the end)."""
+    data = bytearray(Path(path).read_bytes())
+    data[offset] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
 
 
 if __name__ == "__main__":
     args = []
     for arg in sys.argv[1:]:
         key, _, value = arg.partition("=")
-        if key in ("kill", "raise"):
+        if key in ("kill", "raise", *SIGNALS):
             rank, at = value.split("@")
             _inject(key, int(rank), int(at))
+        elif key == "enospc":
+            _full_disk(int(value))
         else:
             args.append(arg)
     sys.argv = [sys.argv[0], *args]

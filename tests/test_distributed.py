@@ -166,3 +166,21 @@ def test_hydra_submitit_local_launcher_runs_a_sweep(cache, tmp_path):
     assert "seed=0" in summary and "seed=1" in summary
     for job in ("0", "1"):
         assert len(read_rows(tmp_path / "sweep" / job / "train_stats.csv")) == 1
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_epoch_end_and_resumes_bitwise(cache, tmp_path):
+    """Preemption reaching one rank: the epoch's all-reduce tells every rank, all stop at its end,
+    rank 0 checkpoints it, every rank exits with SIGTERM's code; the resume continues bit for bit."""
+    args = [*UNEVEN, "epochs=3", f"data.cache_dir={cache}"]
+    whole = _run(2, cache, tmp_path, "whole", "epochs=3")
+    run = tmp_path / "run"
+    res = torchrun(2, ["term=1@2", *args, f"hydra.run.dir={run}"], tmp_path,
+                   entry=(str(REPO / "tests" / "faults.py"),))
+    assert res.returncode != 0
+    assert "interrupted by SIGTERM: stopped at the end of epoch 1" in res.stderr, res.stderr[-3000:]
+    assert re.search(r"exitcode\s*:\s*143", res.stderr), res.stderr[-3000:]
+    assert [r["epoch"] for r in read_rows(run / "train_stats.csv")] == ["1"]
+    res = torchrun(2, [f"resume={run}"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert stable_rows(run / "train_stats.csv") == stable_rows(whole / "train_stats.csv")
+    assert same_params(params(run), params(whole))

@@ -63,7 +63,7 @@ def test_preflight_samples_intervals():
     cli.preflight(["-m", "lr=tag(log, interval(0.0005,0.002))", "data.val_fraction=interval(0.2,1.0)"])
     cli.preflight(["-m", "hparams_search=optuna_lr"])
     bad = {
-        "lr=interval(-1,0)": r"^lr=-1.0: expected a number > 0 \(a value of lr=interval\(-1,0\)\)$",
+        "lr=interval(-1,0)": r"^lr=-1.0: expected a number in \(0, 10\] \(a value of lr=interval\(-1,0\)\)$",
         "lr=interval(0.002,0.0005)": r"^lr=interval\(0.002,0.0005\): the interval's start is above its end$",
         "lr=tag(log,interval(0,1))": r"^lr=tag\(log,interval\(0,1\)\): a log interval needs a start > 0$",
         "epochs=interval(1,5)": r"^epochs=1.0: .*Integer \(a value of epochs=interval\(1,5\)\)$",  # floats
@@ -96,7 +96,7 @@ def test_preflight_error_is_one_line_without_traceback(tmp_path):
     res = run_cli("-m", "lr=interval(-1,0)", *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
-        "error: lr=-1.0: expected a number > 0 (a value of lr=interval(-1,0))"]
+        "error: lr=-1.0: expected a number in (0, 10] (a value of lr=interval(-1,0))"]
     assert not (tmp_path / "sweep").exists()
 
 

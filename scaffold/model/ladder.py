@@ -37,7 +37,7 @@ class LadderSite:
         self.vendor_only = False
         self.fallback_error: Optional[str] = None
         self.rungs_ran: set[str] = set()
-        self._warned_unsupported = False
+        self.unsupported: Optional[str] = None  # the first call the forced setting could not run
 
     def _run(self, call: tuple, vendor: Callable[[], Any]) -> Any:
         name = VENDOR
@@ -60,13 +60,22 @@ class LadderSite:
         return vendor()
 
     def _warn_unsupported(self, call: tuple) -> None:
-        if self._warned_unsupported:
+        """Record the site (the census lists it) and warn once per operator kind and setting: one
+        line for `ladder.conv=triton` on a CPU, not one per conv."""
+        if self.unsupported is not None:
             return
-        self._warned_unsupported = True
         x = call[0]
+        self.unsupported = f"{tuple(x.shape)} {x.dtype} on {x.device}"
+        key = (self.op, self.ladder_setting)
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
         warnings.warn(f"{self.ladder_name} ({self.op}): ladder setting {self.ladder_setting!r} does not "
-                      f"support {tuple(x.shape)} {x.dtype} on {x.device}; running vendor",
-                      LadderWarning, stacklevel=4)
+                      f"support {self.unsupported}; running vendor there (and at any other such site: "
+                      "the census lists them)", LadderWarning, stacklevel=4)
+
+
+_WARNED: set[tuple[str, str]] = set()  # (op, setting) pairs warned about; set_ladder starts afresh
 
 
 class FastConv3d(LadderSite, nn.Conv3d):
@@ -195,7 +204,8 @@ def set_ladder(model: nn.Module, ladder: Any) -> nn.Module:
         m.ladder_setting = settings[m.op]
         m.ladder_name = name or type(m).__name__
         m.rungs_ran = set()
-        m._warned_unsupported = False
+        m.unsupported = None
+    _WARNED.clear()
     return model
 
 
@@ -208,7 +218,10 @@ def census(*modules: nn.Module) -> dict:
     sites: dict[str, str] = {}
     fallbacks: list[str] = []
     errors: dict[str, str] = {}
+    unsupported: dict[str, str] = {}
     for name, m in _sites(*modules):
+        if m.unsupported is not None:
+            unsupported[name] = f"{m.ladder_setting} does not support {m.unsupported}"
         ran = sorted(m.rungs_ran) or ["none"]
         sites[name] = "+".join(ran)
         for rung in ran:
@@ -218,6 +231,7 @@ def census(*modules: nn.Module) -> dict:
             errors[name] = m.fallback_error
     out["fallbacks"] = fallbacks
     out["fallback_errors"] = errors
+    out["unsupported"] = unsupported  # sites a forced setting could not run (they ran vendor)
     out["modules"] = sites
     return out
 
@@ -235,4 +249,7 @@ def format_census(c: dict) -> str:
         lines += [f"    {name}: {errors.get(name, '')}" for name in c["fallbacks"]]
     else:
         lines.append("  fallbacks: none")
+    if c.get("unsupported"):
+        lines.append(f"  not supported by the chosen setting, ran vendor: {len(c['unsupported'])} sites")
+        lines += [f"    {name}: {why}" for name, why in c["unsupported"].items()]
     return "\n".join(lines)

@@ -1,0 +1,307 @@
+"""Nothing lost, nothing silent: each guarantee of docs/reliability.md with its fault injected.
+
+Run directories are claimed by one process; checkpoints are verified and `best` stands on its own; a
+lost or damaged CSV is rebuilt from the checkpoint's records; SIGTERM and SIGINT save the position and
+exit with the conventional code; a full or read-only disk and bad input cost one line. Where a resume
+follows a fault, its bits are compared with an uninterrupted run's."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from faults import flip_byte, read_only_site
+from helpers import REPO, TINY, cli, params, same_params, stable_rows, tiny_cfg
+from scaffold import checkpoint, cli as scli, rundir, worker
+from scaffold.config import ConfigError
+from scaffold.stats import read_rows
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, cache):
+    """An uninterrupted 3-epoch run to compare resumed runs with."""
+    run_dir = tmp_path_factory.mktemp("baseline")
+    worker.run(tiny_cfg(cache), run_dir)
+    return run_dir
+
+
+def copy_run(src, dst):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock"))
+    return dst
+
+
+def args(cache, *more):
+    return [*TINY, "epochs=3", f"data.cache_dir={cache}", *more]
+
+
+def one_error_line(res, *parts):
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr[-3000:]
+    for part in parts:
+        assert part in lines[0], lines[0]
+    return lines[0]
+
+
+def faults(*argv, cwd, env=None, timeout=300):
+    """Run tests/faults.py (scaffold.train with an injected fault) in a subprocess."""
+    full_env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}", **(env or {})}
+    return subprocess.run([sys.executable, str(REPO / "tests" / "faults.py"), *argv], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------- 1. run directories
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    now = dt.datetime(2026, 12, 3, 12, 0, 0)
+    a = rundir.claim_new("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", now)
+    b = rundir.claim_new("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", now)
+    assert a == tmp_path.joinpath("outputs/2026-12-03/12-00-00").relative_to(tmp_path)
+    assert b.name == "12-00-00-2" and a != b and a.is_dir() and b.is_dir()
+    # The command line's pre-flight claims the directory and hands it to Hydra.
+    argv = scli.preflight(["epochs=1"], claim=True)
+    claimed = [x.split("=", 1)[1] for x in argv if x.startswith("hydra.run.dir=")]
+    assert len(claimed) == 1 and os.path.isdir(claimed[0])
+    again = scli.preflight(["epochs=1"], claim=True)
+    assert again[-1] != argv[-1]
+
+
+def test_two_concurrent_runs_in_one_working_directory(cache, tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-m", "scaffold.train", *args(cache, "epochs=2")], cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    runs = sorted(tmp_path.glob("outputs/*/*"))
+    assert len(runs) == 2
+    for run in runs:
+        assert [r["epoch"] for r in read_rows(run / "train_stats.csv")] == ["1", "2"]
+    assert stable_rows(runs[0] / "train_stats.csv") == stable_rows(runs[1] / "train_stats.csv")
+
+
+def test_a_live_process_on_a_run_refuses_a_second(baseline, tmp_path):
+    run = copy_run(baseline, tmp_path / "run")
+    before = (run / "train_stats.csv").read_bytes()
+    holder = rundir.RunLock(run)  # this test process stands for a live run
+    try:
+        res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)
+        assert res.returncode == 2
+        one_error_line(res, f"run directory {run} is in use by another process (pid {os.getpid()}")
+        # Past the pre-flight (two resumes started at once), the worker's own claim refuses it too.
+        with pytest.raises(ConfigError, match="in use by another process"):
+            worker.run(scli.resumed_config(run, tiny_cfg(tmp_path), []), run, resume=True)
+    finally:
+        holder.release()
+    assert (run / "train_stats.csv").read_bytes() == before
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)  # the lock goes with its process
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["epoch"] for r in read_rows(run / "train_stats.csv")] == ["1", "2", "3", "4"]
+
+
+def test_a_new_run_in_a_directory_holding_one_is_refused(baseline, cache, tmp_path):
+    run = copy_run(baseline, tmp_path / "run")
+    hydra_record = sorted(p.name for p in run.iterdir())
+    res = cli(*args(cache), f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 2
+    one_error_line(res, f"hydra.run.dir={run} already holds a run (resume={run} continues it")
+    assert sorted(p.name for p in run.iterdir()) == hydra_record
+    with pytest.raises(ConfigError, match="already holds a run"):
+        worker.run(tiny_cfg(cache), run)
+
+
+# ------------------------------------------------------------------------- 2-3. verified checkpoints
+def test_a_flipped_byte_in_last_is_caught_and_best_takes_over(baseline, tmp_path):
+    run = copy_run(baseline, tmp_path / "run")
+    ckpts = run / "checkpoints"
+    assert os.stat(ckpts / "best.pt").st_ino != os.stat(ckpts / "last.pt").st_ino  # no shared bytes
+    assert os.stat(ckpts / "best.pt").st_nlink == 1
+    flip_byte(ckpts / "last.pt", len((ckpts / "last.pt").read_bytes()) // 2)
+    with pytest.raises(checkpoint.CheckpointError, match="last.pt: checksum mismatch"):
+        checkpoint.load_one(ckpts / "last.pt")
+    res = cli(f"resume={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert "last.pt: checksum mismatch" in out and "resuming from" in out and "best.pt" in out
+    assert stable_rows(run / "train_stats.csv") == stable_rows(baseline / "train_stats.csv")
+    assert same_params(params(run), params(baseline))
+
+
+def test_both_checkpoints_damaged_is_one_line(baseline, tmp_path):
+    run = copy_run(baseline, tmp_path / "run")
+    for name in ("last.pt", "best.pt"):
+        flip_byte(run / "checkpoints" / name, 100)
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)
+    assert res.returncode == 2
+    one_error_line(res, "last.pt: checksum mismatch", "best.pt: checksum mismatch")
+
+
+def test_a_stale_best_is_rewritten_from_last(baseline, tmp_path):
+    """A kill between writing `last` and its `best` copy leaves `best` an earlier epoch."""
+    run = copy_run(baseline, tmp_path / "run")
+    ckpts = run / "checkpoints"
+    best = checkpoint.load_one(ckpts / "best.pt")
+    assert best["progress"]["best_epoch"] == best["epoch"]
+    # The moment after `last` was written at the best epoch: `best` still holds an earlier epoch.
+    shutil.copy(ckpts / "best.pt", ckpts / "last.pt")
+    checkpoint.save(ckpts / "best.pt", dict(best, epoch=1))
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (f"best.pt was epoch 1, the best epoch is {best['epoch']}: rewritten from last.pt"
+            in res.stdout + res.stderr)
+    result = json.loads((run / "result.json").read_text())
+    assert checkpoint.load_one(ckpts / "best.pt")["epoch"] == result["best_epoch"]
+
+
+def test_checkpoint_of_another_model_is_one_line(baseline, tmp_path):
+    run = copy_run(baseline, tmp_path / "run")
+    other = tmp_path / "other"
+    worker.run(tiny_cfg(tmp_path / "cache2", "model.base_width=8", "epochs=1"), other)
+    shutil.copy(other / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
+    shutil.copy(other / "checkpoints" / "best.pt", run / "checkpoints" / "best.pt")
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)
+    assert res.returncode == 2
+    one_error_line(res, "last.pt: holds a different model than this config builds (size mismatch for")
+
+
+# ------------------------------------------------------------------------------------ 5. the CSV
+@pytest.mark.parametrize("damage", ["deleted", "binary", "edited"])
+def test_a_lost_or_damaged_csv_is_rebuilt_from_the_checkpoint(baseline, tmp_path, damage):
+    run = copy_run(baseline, tmp_path / "run")
+    csv_path = run / "train_stats.csv"
+    original = csv_path.read_bytes()
+    if damage == "deleted":
+        csv_path.unlink()
+    elif damage == "binary":
+        csv_path.write_bytes(bytes(range(256)) * 4)
+    else:
+        csv_path.write_text(csv_path.read_text().replace("\n2,", "\n2,9", 1))
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert "rebuilt from the checkpoint's records of epochs 1-3" in out
+    rows = read_rows(csv_path)
+    assert [r["epoch"] for r in rows] == ["1", "2", "3", "4"]
+    assert csv_path.read_bytes().startswith(original)  # epochs 1-3 exactly as first written
+    if damage != "deleted":  # the damaged file is kept, not overwritten
+        assert (run / "train_stats.csv.damaged").exists()
+
+
+def test_a_damaged_csv_with_an_old_checkpoint_is_refused(baseline, tmp_path):
+    run = copy_run(baseline, tmp_path / "run")
+    for name in ("last.pt", "best.pt"):
+        state = checkpoint.load_one(run / "checkpoints" / name)
+        del state["rows"]  # as written before checkpoints kept the CSV's rows
+        checkpoint.save(run / "checkpoints" / name, state)
+    (run / "train_stats.csv").unlink()
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)
+    assert res.returncode == 2
+    one_error_line(res, "train_stats.csv: missing, and the checkpoint holds no record")
+    assert not (run / "train_stats.csv").exists()
+
+
+# ---------------------------------------------------------------------------------- 6. signals
+@pytest.mark.parametrize("kind, signum", [("term", signal.SIGTERM), ("int", signal.SIGINT)])
+def test_a_signal_saves_the_position_and_the_resume_is_bitwise(baseline, cache, tmp_path, kind, signum):
+    run = tmp_path / "run"
+    # Step 5 is the second step of epoch 2 (3 steps per epoch): the epoch stops after it.
+    res = faults(f"{kind}=0@5", *args(cache), f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 128 + signum, res.stderr[-3000:]
+    name = signal.Signals(signum).name
+    line = one_error_line(res, f"interrupted by {name}: epoch 2 stopped after 2 steps, position saved in")
+    assert "Traceback" not in res.stderr and f"resume={run}" in line
+    state = checkpoint.load_one(run / "checkpoints" / "last.pt")
+    assert state["epoch"] == 1 and state["position"]["steps"] == 2
+    assert [r["epoch"] for r in read_rows(run / "train_stats.csv")] == ["1"]
+    res = cli(f"resume={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert stable_rows(run / "train_stats.csv") == stable_rows(baseline / "train_stats.csv")
+    assert same_params(params(run), params(baseline))
+
+
+# ------------------------------------------------------------------------------- full, read-only disks
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(baseline, cache, tmp_path):
+    run = tmp_path / "run"
+    res = faults("enospc=2", *args(cache), f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    one_error_line(res, "last.pt: cannot write the checkpoint (No space left on device)")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "last.pt"]  # no temp
+    assert checkpoint.load_one(run / "checkpoints" / "last.pt")["epoch"] == 1
+    res = cli(f"resume={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert stable_rows(run / "train_stats.csv") == stable_rows(baseline / "train_stats.csv")
+    assert same_params(params(run), params(baseline))
+
+
+def test_resume_on_a_read_only_filesystem_is_one_line(baseline, tmp_path):
+    run = copy_run(baseline, tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    site = read_only_site(tmp_path / "site", run)
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path, env={"PYTHONPATH": f"{site}:{REPO}"})
+    assert res.returncode == 2
+    one_error_line(res, f"resume={run}: the run directory is not writable (Read-only file system)")
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+# ---------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("override, expected", [
+    ("optim.weight_decay=-1", "optim.weight_decay=-1.0: expected a finite number >= 0"),
+    ("optim.weight_decay=nan", "optim.weight_decay=nan: expected a finite number >= 0"),
+    ("lr=inf", "lr=inf: expected a number in (0, 10]"),
+    ("lr=1e308", "lr=1e+308: expected a number in (0, 10]"),
+    ("optim.eta_min=inf", "optim.eta_min=inf: expected a number in [0, lr]"),
+    ("~scale", "~scale: a key of the schema cannot be deleted"),
+    ("hydra.run.dir=/proc/nope", "hydra.run.dir=/proc/nope: cannot create the run directory"),
+])
+def test_bad_values_are_one_line_before_any_work(cache, tmp_path, override, expected):
+    res = cli(override, *args(cache), cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    one_error_line(res, expected)
+    assert list(tmp_path.iterdir()) == []  # no run directory, no dataset
+
+
+@pytest.mark.parametrize("setup, expected", [
+    (lambda run: (run / "run.json").write_text("{not json"), "run.json: unreadable run record (JSONDecodeError"),
+    (lambda run: (run / "run.json").write_text(json.dumps({"config": {"nonsense_key": 1}})),
+     "run.json: its config does not fit this version's schema"),
+])
+def test_a_damaged_run_record_is_one_line(baseline, tmp_path, setup, expected):
+    run = copy_run(baseline, tmp_path / "run")
+    setup(run)
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)
+    assert res.returncode == 2
+    one_error_line(res, expected)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("device=cuda", "device='cuda': no CUDA device is available here"),
+    ("cuda_graph=on", "cuda_graph='on': expected one CUDA device in one process"),
+])
+def test_runtime_config_errors_leave_no_run_directory(cache, tmp_path, override, expected):
+    if torch.cuda.is_available():
+        pytest.skip("these are errors only on a machine without a GPU")
+    res = cli(*[a for a in args(cache) if a != "device=cpu"], override, cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    one_error_line(res, expected)
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*/*"))
+
+
+def test_divergence_in_the_first_epoch_names_no_missing_checkpoint(cache, tmp_path, monkeypatch):
+    from scaffold.trainer import Diverged, Trainer
+
+    real = Trainer.step
+
+    def step(self, *a, **k):
+        loss, dice = real(self, *a, **k)
+        return loss * float("nan"), dice
+
+    monkeypatch.setattr(Trainer, "step", step)
+    with pytest.raises(Diverged, match="non-finite loss at epoch 1 .*; no checkpoint was written before it"):
+        worker.run(tiny_cfg(cache), tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
