@@ -159,3 +159,118 @@ def repair_best(folder: Path, state: dict[str, Any], loaded_from: Path) -> Optio
         return f"{best} was {what}, the best epoch is {want}: rewritten from {LAST}"
     return (f"{best} is {what} but the best epoch is {want}, which no checkpoint holds any more: "
             f"{BEST} is left as it is")
+
+
+class Writer:
+    """Writes checkpoints off the training's critical path: at most one write in flight.
+
+    `submit(state, best)` snapshots every tensor of `state` into host buffers (pinned on CUDA, reused
+    from one checkpoint to the next) with copies queued on a side stream, makes the training stream
+    wait for those copies before it runs on (a device-side dependency: the host never waits), and hands
+    the rest to a writer thread: wait for the copies, torch.save with its checksum, atomic rename, then
+    the `best` copy. A kill at any moment leaves the previous `last` and `best` (each written whole or
+    not at all), so the guarantees of `save` hold. The next `submit` (or `flush`) waits for the write
+    before it, and re-raises its error (a full disk) as a CheckpointError."""
+
+    def __init__(self, folder: Path, background: bool = True):
+        self.folder = Path(folder)
+        self.background = background
+        self.thread = None
+        self.error: Optional[BaseException] = None
+        self.buffers: dict[int, torch.Tensor] = {}  # by position in the state's tensor list
+        self.waited_s = 0.0  # host time spent waiting for an earlier write (ideally zero)
+
+    def submit(self, state: dict[str, Any], best: bool) -> None:
+        self.flush()
+        if not self.background:
+            save(self.folder / LAST, state)
+            if best:
+                mark_best(self.folder)
+            return
+        snapshot, done = self._snapshot(state)
+        import threading
+
+        self.thread = threading.Thread(target=self._write, args=(snapshot, done, best),
+                                       name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def flush(self) -> None:
+        """Wait for the write in flight; raise its error."""
+        if self.thread is not None:
+            import time
+
+            t0 = time.perf_counter()
+            self.thread.join()
+            self.waited_s += time.perf_counter() - t0
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"{self.folder / LAST}: the background write failed "
+                                  f"({type(error).__name__}: {error})") from error
+
+    def _snapshot(self, state: dict[str, Any]):
+        """A copy of `state` whose tensors live in this writer's host buffers; the event that says the
+        copies are done (None on the CPU, where they are done on return)."""
+        tensors: list[torch.Tensor] = []
+
+        def collect(obj):
+            if torch.is_tensor(obj):
+                tensors.append(obj)
+                return ("__tensor__", len(tensors) - 1)
+            if isinstance(obj, dict):
+                return {k: collect(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(collect(v) for v in obj)
+            return obj
+
+        skeleton = collect(state)
+        cuda = [t for t in tensors if t.is_cuda]
+        stream = torch.cuda.Stream(cuda[0].device) if cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(cuda[0].device))
+        copies = []
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            for i, t in enumerate(tensors):
+                buf = self.buffers.get(i)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                    self.buffers[i] = buf
+                buf.copy_(t.detach(), non_blocking=t.is_cuda)
+                copies.append(buf)
+        done = None
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
+            # Training may not overwrite a tensor before its copy has been read.
+            torch.cuda.current_stream(cuda[0].device).wait_stream(stream)
+
+        def rebuild(obj):
+            if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__tensor__":
+                return copies[obj[1]]
+            if isinstance(obj, dict):
+                return {k: rebuild(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(rebuild(v) for v in obj)
+            return obj
+
+        return rebuild(skeleton), done
+
+    def _write(self, snapshot: dict[str, Any], done, best: bool) -> None:
+        try:
+            if done is not None:
+                done.synchronize()  # this thread waits for the copies; training does not
+            save(self.folder / LAST, snapshot)
+            if best:
+                mark_best(self.folder)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by flush()
+            self.error = e
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

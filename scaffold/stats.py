@@ -17,7 +17,8 @@ Ours follow:
   is_best                1 when this epoch is a new best so far: its val_loss_avg is lower than every
                          earlier epoch's (a tie keeps the earlier). Several rows can say 1; the best epoch
                          of the run is the last of them (result.json's best_epoch).
-  train_time             cumulative wall-clock seconds of the epochs so far
+  train_time             cumulative epoch_duration so far (training + evaluation; checkpoint writes,
+                         logging and start-up excluded: result.json's time_to_target_s includes them)
   cpu_time               CPU seconds this process (all its threads) spent in the epoch; beside
                          epoch_duration it tells a starved run (cpu_time well below threads x wall) from
                          a slow one

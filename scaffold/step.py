@@ -5,19 +5,24 @@ benchmark times (`python -m scaffold.bench.minibatch`): the same calls, the same
 
 It never reads the device: it returns the batch loss and the per-sample soft Dice as device tensors.
 
-On one CUDA device its forward, loss and backward can be captured once as a CUDA graph and replayed
-(`capture`); every rule of the graph lives here:
+On one CUDA device the whole step can be captured once as a CUDA graph and replayed (`capture`); every
+rule of the graph lives here:
 - Why: at 128³ a step launches hundreds of kernels through Python and the autograd engine, which can
   cost the host more time than the device needs to run them. A replay is one launch.
-- What: the input built from a static mask buffer, the forward, the loss and the backward. Clip and the
-  optimizer stay eager and read the gradients where the graph wrote them.
+- What: the input built from a static mask buffer, the forward, the loss, the backward, the gradient
+  clip (sync-free: the norm and the clip factor stay on the device) and Adam. On CUDA, Adam is torch's
+  fused, capturable Adam (one kernel over all parameters, its step count and learning rate on the
+  device): the scheduler writes the new rate into that tensor in place between epochs, and the graph
+  reads it there. Its state must exist before the capture (a lazy initialization captured in the graph
+  would zero it on every replay), so the warm-up passes run whole steps and the parameters and state are
+  restored afterwards, bit for bit.
 - Same bits as eager: a replay runs the same kernels with the same arguments in the same order.
 - The gradients are set to None before the capture, so the captured backward allocates them from the
   graph's pool and each replay writes them afresh: nothing accumulates, and the optimizer must not set
   them to None again. A batch of another shape (an epoch's short last batch) runs eagerly into the same
   tensors, zeroed in place first.
-- Before the capture, eager forward + backward passes run on a side stream (kernels compiled, cuDNN
-  plans made, the allocator warm); they write gradients only, which are dropped: parameters do not move.
+- Before the capture, eager whole steps run on a side stream (kernels compiled, cuDNN plans made, the
+  allocator warm, Adam's state created); parameters and optimizer state are then put back as they were.
 Limits: no autograd graph of the model may be alive at the capture (a kept loss holds its gradient
 accumulators on another stream and the capture fails); one process (under DDP the all-reduce would have
 to be captured too); one batch shape per graph; the returned loss and Dice are the graph's own tensors,
@@ -47,8 +52,34 @@ def amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
 
 
 def make_optimizer(params, cfg: Any) -> torch.optim.Optimizer:
-    """Adam as the config says (lr, optim.weight_decay)."""
+    """Adam as the config says (lr, optim.weight_decay). On CUDA: fused and capturable, its learning
+    rate a device tensor, so a CUDA graph can hold the whole step (eager CUDA steps use the same kernel,
+    so graphed and eager runs keep the same bits); on the CPU: torch's default (foreach) Adam."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.optim.Adam(params, lr=torch.tensor(float(cfg.lr), device=device),
+                                weight_decay=cfg.optim.weight_decay, fused=True, capturable=True)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.optim.weight_decay)
+
+
+def keep_lr_on_device(optimizer: torch.optim.Optimizer) -> None:
+    """After `load_state_dict`, which may bring the rate back as a float or a CPU tensor and the state
+    in another memory layout than the parameters' (a checkpoint stores contiguous tensors; the model
+    runs channels-last on CUDA): a fused capturable optimizer's learning rate as a tensor on its
+    parameters' device again, and each state tensor in its parameter's layout (fused Adam requires it;
+    the values, and so the bits, are the same)."""
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
+                st[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            continue
+        device = group["params"][0].device
+        lr = group["lr"]
+        if not (isinstance(lr, torch.Tensor) and lr.device == device):
+            group["lr"] = torch.tensor(float(lr), device=device)
 
 
 def wants_graph(mode: str, device: torch.device, world: int, data_parallel: bool = False) -> bool:
@@ -64,6 +95,15 @@ def wants_graph(mode: str, device: torch.device, world: int, data_parallel: bool
     return mode != "off" and possible
 
 
+def fold_clip(optimizer: torch.optim.Optimizer, params: list, clip: float, no_inf: torch.Tensor) -> None:
+    """Clip by the total gradient norm inside fused Adam's next step: clip_grad_norm_'s factor
+    min(1, clip / (norm + 1e-6)) handed over as the divisor Adam applies to each gradient as it reads
+    it, max(1, (norm + 1e-6) / clip). No host sync; one pass over the gradients (the norm) fewer."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+    optimizer.grad_scale = torch.clamp((norm + 1e-6) / clip, min=1.0)
+    optimizer.found_inf = no_inf
+
+
 class TrainStep:
     """`step(masks) -> (loss, dice)`: one optimizer step on a batch of uint8 masks (N, D, H, W).
 
@@ -77,6 +117,13 @@ class TrainStep:
         self.autocast, self.grad_clip = autocast, grad_clip
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.graph: Optional[_StepGraph] = None
+        # With fused Adam the clip is folded into the optimizer: the clip factor goes in as Adam's
+        # gradient divisor (its `grad_scale`, the hook AMP's GradScaler uses), so the gradients are not
+        # rewritten in a pass of their own.
+        self.fold_clip = grad_clip > 0 and all(g.get("fused") for g in optimizer.param_groups)
+        if self.fold_clip:
+            device = self.params[0].device
+            self._no_inf = torch.zeros((), device=device)
 
     def autocast_context(self, device: torch.device):
         if self.autocast is None:
@@ -93,6 +140,16 @@ class TrainStep:
         loss.backward()
         return loss, dice
 
+    def whole_step(self, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, loss, backward, clip and Adam: what a CUDA graph captures."""
+        loss, dice = self.forward_backward(masks)
+        if self.fold_clip:
+            fold_clip(self.optimizer, self.params, self.grad_clip, self._no_inf)
+        elif self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+        self.optimizer.step()
+        return loss, dice
+
     def __call__(self, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         graph = self.graph
         if graph is not None and graph.fits(masks):
@@ -100,16 +157,13 @@ class TrainStep:
         else:
             if graph is not None:  # another batch shape: eager, into the graph's gradient tensors
                 self.optimizer.zero_grad(set_to_none=False)
-            loss, dice = self.forward_backward(masks)
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
-        self.optimizer.step()
-        if graph is None:  # a graph writes the same gradient tensors again on its next replay
-            self.optimizer.zero_grad(set_to_none=True)
+            loss, dice = self.whole_step(masks)
+            if graph is None:  # a graph writes the same gradient tensors again on its next replay
+                self.optimizer.zero_grad(set_to_none=True)
         return loss.detach(), dice.detach()
 
     def capture(self, example: torch.Tensor, required: bool = False) -> float:
-        """Captures forward, loss and backward for batches shaped like `example` (outside any epoch:
+        """Captures the whole step for batches shaped like `example` (outside any epoch:
         the capture synchronizes the device); returns the seconds it took. The RNG streams are left as
         they were. A failed capture raises when `required`, else logs one warning and the step stays
         eager."""
@@ -118,7 +172,9 @@ class TrainStep:
         if isinstance(self.net, torch.nn.Module):
             self.net.train()
         try:
-            self.graph = _StepGraph(self.forward_backward, self.params, example)
+            keep_lr_on_device(self.optimizer)
+            with _restored(self.params, self.optimizer):
+                self.graph = _StepGraph(self.whole_step, self.params, example)
         except Exception as e:  # noqa: BLE001 - `auto` keeps training, eagerly; `on` promised a graph
             if required:
                 raise
@@ -131,11 +187,42 @@ class TrainStep:
         return time.perf_counter() - t0
 
 
-class _StepGraph:
-    """`fwd_bwd(masks) -> (loss, ...)` captured for batches shaped like `example`; `run` replays it and
-    returns the graph's own output tensors (see the module docstring for the rules)."""
+class _restored:
+    """Puts the parameters and the optimizer's state back as they were on entry (in place: the graph
+    keeps the addresses it captured), creating the state first if the optimizer has none yet."""
 
-    def __init__(self, fwd_bwd: Callable[[torch.Tensor], tuple], params: list[torch.nn.Parameter],
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer):
+        self.params, self.optimizer = params, optimizer
+
+    def __enter__(self):
+        # Kept in host memory: the capture is the moment of peak device memory.
+        self.saved_params = [p.detach().to("cpu", copy=True) for p in self.params]
+        self.fresh = not self.optimizer.state
+        self.saved_state = {p: {k: v.to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in st.items()}
+                            for p, st in self.optimizer.state.items()}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self.params, self.saved_params):
+                p.copy_(saved)
+            for p, st in self.optimizer.state.items():
+                for k, v in st.items():
+                    if not torch.is_tensor(v):
+                        continue
+                    if self.fresh:
+                        v.zero_()  # what a first step would have created: zeros, step 0
+                    else:
+                        v.copy_(self.saved_state[p][k])
+        self.saved_params = self.saved_state = None
+
+
+class _StepGraph:
+    """`step(masks) -> (loss, ...)` captured for batches shaped like `example`; `run` replays it and
+    returns the graph's own output tensors (see the module docstring for the rules). The warm-up runs
+    real steps: the caller restores parameters and optimizer state afterwards."""
+
+    def __init__(self, step: Callable[[torch.Tensor], tuple], params: list[torch.nn.Parameter],
                  example: torch.Tensor, warmup: int = 2):
         if example.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA tensor, got one on {example.device}")
@@ -146,13 +233,13 @@ class _StepGraph:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(warmup):
-                fwd_bwd(self.masks)
+                step(self.masks)
                 self._drop_grads()
         torch.cuda.current_stream(device).wait_stream(side)
         self._drop_grads()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            outputs = fwd_bwd(self.masks)
+            outputs = step(self.masks)
         self.outputs = tuple(t.detach() for t in outputs)
 
     def _drop_grads(self) -> None:
@@ -165,7 +252,42 @@ class _StepGraph:
         return masks.shape == m.shape and masks.dtype == m.dtype and masks.device == m.device
 
     def run(self, masks: torch.Tensor) -> tuple:
-        """Forward, loss and backward of `masks`: the gradients land in the parameters' `.grad`."""
+        """One whole step on `masks` (the gradients land in the parameters' `.grad`, then Adam)."""
+        self.masks.copy_(masks)
+        self.graph.replay()
+        return self.outputs
+
+
+class EvalGraph:
+    """`evaluate(masks) -> (per-sample loss, per-sample hard Dice)` captured as a CUDA graph for batches
+    shaped like `example` (no autograd: the forward's activations are freed as it goes, so the graph's
+    pool holds about the peak of one no-grad forward). The same kernels as the eager evaluation, so the
+    same bits. `run` returns the graph's own tensors, overwritten by the next replay."""
+
+    def __init__(self, evaluate: Callable[[torch.Tensor], tuple], example: torch.Tensor, warmup: int = 1):
+        if example.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA tensor, got one on {example.device}")
+        device = example.device
+        self.masks = example.clone()
+        before = torch.cuda.memory_reserved(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):
+                evaluate(self.masks)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(self.graph):
+            self.outputs = tuple(t.detach() for t in evaluate(self.masks))
+        torch.cuda.synchronize(device)
+        self.pool_bytes = torch.cuda.memory_reserved(device) - before  # an upper bound, logged
+        log.info("evaluation captured as a CUDA graph (its memory pool: %.2f GiB)", self.pool_bytes / 2**30)
+
+    def fits(self, masks: torch.Tensor) -> bool:
+        m = self.masks
+        return masks.shape == m.shape and masks.dtype == m.dtype and masks.device == m.device
+
+    def run(self, masks: torch.Tensor) -> tuple:
         self.masks.copy_(masks)
         self.graph.replay()
         return self.outputs

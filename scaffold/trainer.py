@@ -34,7 +34,7 @@ from scaffold import checkpoint, determinism, distributed
 from scaffold.data.loader import make_input
 from scaffold.metrics import hard_dice, per_sample_loss
 from scaffold.stats import StatsFile, load_average
-from scaffold.step import TrainStep, amp_dtype, make_optimizer
+from scaffold.step import EvalGraph, TrainStep, amp_dtype, keep_lr_on_device, make_optimizer
 
 log = logging.getLogger("scaffold")
 
@@ -89,9 +89,10 @@ class Progress:
     total_steps: int = 0
     best_val_loss: float = math.inf
     best_epoch: int = 0
-    train_time: float = 0.0  # summed epoch durations (seconds)
+    train_time: float = 0.0  # summed epoch durations: training + evaluation (seconds)
+    wall_time: float = 0.0  # wall clock of the epochs, everything included: checkpoints, logging
     cpu_time: float = 0.0  # summed process CPU seconds of the epochs (checkpoints before it load as 0)
-    time_to_target: Optional[float] = None
+    time_to_target: Optional[float] = None  # wall_time at the end of the target epoch (written out)
     target_epoch: Optional[int] = None
     last_val_dice: float = 0.0
     best_val_dice: float = 0.0  # highest validation Dice so far (checkpoints before it load as 0)
@@ -210,6 +211,8 @@ class Trainer:
         self.progress = Progress()
         self.rows: list[dict[str, Any]] = []  # the CSV rows so far, kept in checkpoints
         self.position: Optional[Position] = None  # set by a resume from an interrupted epoch
+        self.writer = checkpoint.Writer(self.run_dir / "checkpoints", background=True)
+        self.eval_graph: Optional[EvalGraph] = None
         self.stop = StopRequest()
         self.on_first_step = None  # callback() after the first real step (the census)
 
@@ -292,7 +295,11 @@ class Trainer:
         mine = torch.arange(self.place.rank, n, self.place.world, device=self.device)
         for i in range(0, mine.shape[0], bs):
             positions = mine[i:i + bs]
-            loss, dice = self.eval_batch(model, self.vol.val.index_select(0, positions))
+            masks = self.vol.val.index_select(0, positions)
+            if self.eval_graph is not None and self.eval_graph.fits(masks):
+                loss, dice = self.eval_graph.run(masks)
+            else:
+                loss, dice = self.eval_batch(model, masks)
             out.index_copy_(1, positions, torch.stack([loss, dice]).float())
         model.train()
         return out
@@ -319,8 +326,23 @@ class Trainer:
         return time.perf_counter() - t0
 
     def capture(self, required: bool) -> float:
-        """Captures the real step as a CUDA graph (see scaffold.step); returns the seconds it took."""
-        return self.train_step.capture(self.vol.train[: self.cfg.batch_size], required)
+        """Captures the real step, and the evaluation of one batch, as CUDA graphs (see scaffold.step);
+        returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.train_step.capture(self.vol.train[: self.cfg.batch_size], required)
+        if self.train_step.graph is not None:
+            self.model.eval()
+            try:
+                self.eval_graph = EvalGraph(lambda m: self.eval_batch(self.model, m),
+                                            self.vol.val[: self.cfg.batch_size])
+            except Exception as e:  # noqa: BLE001 - evaluation then runs eagerly, same bits
+                if required:
+                    raise
+                log.warning("cuda_graph=auto: the evaluation could not be captured (%s); running it eagerly",
+                            f"{type(e).__name__}: {e}".splitlines()[0])
+            finally:
+                self.model.train()
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ checkpoints
     def state(self, position: Optional[Position] = None) -> dict[str, Any]:
@@ -344,7 +366,13 @@ class Trainer:
             raise checkpoint.CheckpointError(f"{source}: holds a different model than this config builds "
                                              f"({_first_mismatch(e)})") from None
         self.optimizer.load_state_dict(state["optimizer"])
+        keep_lr_on_device(self.optimizer)  # the captured step reads the rate from that tensor
+        fresh = list(self.scheduler.base_lrs)
         self.scheduler.load_state_dict(state["scheduler"])
+        # map_location brought the schedule's base rates to the CPU: compute the schedule where an
+        # uninterrupted run does (a device tensor stays one), so the rates keep their bits.
+        self.scheduler.base_lrs = [torch.as_tensor(b).to(f.device) if torch.is_tensor(f) else b
+                                   for b, f in zip(self.scheduler.base_lrs, fresh)]
         self.progress = Progress(**state["progress"])
         self.rows = list(state.get("rows", []))
         pos = state.get("position")
@@ -357,16 +385,24 @@ class Trainer:
         self.stop.armed = True
         try:
             self._fit(stats, profile, self.run_dir / "checkpoints")
+        except BaseException:
+            try:
+                self.writer.flush()  # what was submitted reaches the disk before the error surfaces
+            except checkpoint.CheckpointError as e:
+                log.error("%s", e)
+            raise
         finally:
             self.stop.armed = False
+        self.writer.flush()
         return self.progress
 
     def _fit(self, stats: Optional[StatsFile], profile: bool, ckpt_dir: Path) -> None:
         cfg, p = self.cfg, self.progress
         first = True  # the profiler window covers the first epoch this invocation runs
-        while p.time_to_target is None and (cfg.epochs == -1 or p.epoch < cfg.epochs):
+        while p.target_epoch is None and (cfg.epochs == -1 or p.epoch < cfg.epochs):
+            wall0 = time.perf_counter()
             epoch = p.epoch + 1
-            lr = self.optimizer.param_groups[0]["lr"]
+            lr = float(self.optimizer.param_groups[0]["lr"])  # between epochs: the device is idle
             profiler = _profiler(self.run_dir) if profile and first and self.place.is_main else None
             first = False
             start, self.position = self.position, None
@@ -405,7 +441,7 @@ class Trainer:
             if finite:
                 p.best_val_dice = max(p.best_val_dice, val_dice)
             if finite and val_dice >= cfg.target_dice:
-                p.time_to_target, p.target_epoch = p.train_time, epoch
+                p.target_epoch = epoch
             row = {
                 "epoch": epoch, "epoch_loss": loss_sum, "overall_loss": overall,
                 "val_loss_epoch": vloss_sum, "val_loss_avg": val_avg, "train_dice": dice_sum / n_train,
@@ -421,17 +457,26 @@ class Trainer:
                      "step %.1f ms | %.1f s%s", epoch, overall, val_avg, row["train_dice"], val_dice, lr,
                      step_ms, duration, " | best" if is_best else "")
             if not finite:
+                self.writer.flush()
                 kept = (f"the last good checkpoint is kept in {ckpt_dir}" if (ckpt_dir / checkpoint.LAST).exists()
                         else "no checkpoint was written before it")
                 raise Diverged(f"non-finite loss at epoch {epoch} (train {overall}, validation {val_avg}); {kept}")
             interval = cfg.checkpoint_interval
-            due = (interval > 0 and epoch % interval == 0) or is_best or p.time_to_target is not None \
+            due = (interval > 0 and epoch % interval == 0) or is_best or p.target_epoch is not None \
                 or (cfg.epochs != -1 and epoch == cfg.epochs) or stop_signum
+            # Wall clock of the epoch, everything included, up to the checkpoint's snapshot; the write
+            # itself runs in the background during the next epoch.
+            p.wall_time += time.perf_counter() - wall0
             if due and self.place.is_main:
-                checkpoint.save(ckpt_dir / checkpoint.LAST, self.state())
-                if is_best:
-                    checkpoint.mark_best(ckpt_dir)
+                self.writer.submit(self.state(), is_best)
+            if p.target_epoch is not None:
+                # The run ends here: the user waits for the last write too, so it counts.
+                t0 = time.perf_counter()
+                self.writer.flush()
+                p.wall_time += time.perf_counter() - t0
+                p.time_to_target = p.wall_time
             if stop_signum:
+                self.writer.flush()
                 raise Interrupted(stop_signum, f"interrupted by {signal.Signals(stop_signum).name}: stopped at "
                                                f"the end of epoch {epoch}, saved in {ckpt_dir / checkpoint.LAST}")
 
@@ -439,6 +484,7 @@ class Trainer:
         """Checkpoint an epoch stopped at a step boundary (one process), then end the run."""
         pos = Position(epoch, tr.samples, tr.steps, tr.loss, tr.dice, time.perf_counter() - t0,
                        time.process_time() - cpu0)
+        self.writer.flush()
         checkpoint.save(ckpt_dir / checkpoint.LAST, self.state(pos))
         name = signal.Signals(self.stop.signum).name
         raise Interrupted(self.stop.signum, f"interrupted by {name}: epoch {epoch} stopped after {tr.steps} "

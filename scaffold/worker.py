@@ -142,6 +142,7 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
 
 def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], stop: StopRequest,
          held: list) -> dict:
+    started = time.perf_counter()
     validate(cfg)
     load_at_start = load_average()  # with the end's, tells a run slowed by other work on the machine
     determinism.configure(cfg.determinism)  # before anything touches CUDA
@@ -181,7 +182,14 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
     log.info("dataset %s: %d train + %d validation volumes of %d³, %d classes (%.1f s)", path,
              info.n_train, info.n_val, info.edge, info.n_classes, data_seconds)
 
+    # Triton's compiled kernels beside the datasets: one folder to keep (or mount into a container)
+    # makes a later run on the machine start warm. A TRITON_CACHE_DIR of the user's wins.
+    from scaffold.data.store import cache_dir
+
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir(cfg.data.cache_dir) / "triton"))
+
     # ---- model, loss, volumes on the device
+    t_model = time.perf_counter()
     from scaffold.loss import SegmentationLoss, check_labels, class_weights
     from scaffold.model.ladder import census, format_census
     from scaffold.model.unet import UNet3d
@@ -251,6 +259,7 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
         log.debug("rank %d: parameter fingerprint at start %s", place.rank, start)
         distributed.check_same(start, "the parameter fingerprint at start", place)
 
+    model_seconds = time.perf_counter() - t_model
     log.info("model: UNet3d scale %d, %s parameters, on %s (%s, determinism=%s)", cfg.scale,
              f"{n_params:,}", device, "bf16 autocast" if trainer.amp_dtype else "fp32", cfg.determinism)
     warm = trainer.warmup(cfg.warmup_steps)
@@ -258,7 +267,11 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
         log.info("warm-up: %d untimed steps on a copy of the model, %.1f s", cfg.warmup_steps, warm)
     captured = trainer.capture(required=cfg.cuda_graph == "on") if use_graph else 0.0
     if trainer.train_step.graph is not None:
-        log.info("step captured as a CUDA graph (forward, loss, backward), %.1f s", captured)
+        log.info("step captured as a CUDA graph (forward, loss, backward, clip, Adam), %.1f s", captured)
+    startup = {"dataset_s": data_seconds, "model_s": model_seconds, "warmup_s": warm, "capture_s": captured}
+    startup_s = time.perf_counter() - started
+    log.info("start-up %.1f s: dataset %.1f, model %.1f, warm-up %.1f, capture %.1f", startup_s,
+             data_seconds, model_seconds, warm, captured)
 
     try:
         progress = trainer.fit(stats, profile=cfg.profile)
@@ -276,9 +289,15 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
         "final_val_dice": progress.last_val_dice,
         "best_val_dice": progress.best_val_dice,
         "target_dice": cfg.target_dice,
+        # Wall clock from the first training step to the end of the epoch that reached the target,
+        # everything included (evaluation, checkpoints, logging); start-up is beside it.
         "time_to_target_s": progress.time_to_target,
         "target_epoch": progress.target_epoch,
-        "train_time_s": progress.train_time,
+        "startup_s": startup_s,
+        "startup": startup,
+        "wall_time_s": progress.wall_time,
+        "train_time_s": progress.train_time,  # summed epoch_duration: training + evaluation only
+        "checkpoint_wait_s": trainer.writer.waited_s,  # host time spent waiting for background writes
         # CPU time and machine load beside the wall times: a slow run starved of cores (CPU well
         # below threads x wall, high load) reads differently from one that is slow on its own.
         "train_cpu_s": progress.cpu_time,
@@ -298,9 +317,10 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
         if resume:  # a resumed sweep job: its sweep's summary.md would otherwise show the old results
             report.refresh_summary(run_dir)
     if progress.time_to_target is not None:
-        log.info("time to target: %.2f s (val dice %.4f >= %.2f at epoch %d, %d optimizer steps); "
-                 "results in %s", progress.time_to_target, progress.last_val_dice, cfg.target_dice,
-                 progress.target_epoch, progress.total_steps, run_dir)
+        log.info("time to target: %.2f s (val dice %.4f >= %.2f at epoch %d, %d optimizer steps; wall clock "
+                 "from the first step, checkpoints included; start-up %.1f s before it); results in %s",
+                 progress.time_to_target, progress.last_val_dice, cfg.target_dice, progress.target_epoch,
+                 progress.total_steps, startup_s, run_dir)
     else:
         log.info("target val dice %.2f not reached in %d epochs (last %.4f, best val loss at epoch %d, "
                  "%d optimizer steps, %.1f s); results in %s", cfg.target_dice, progress.epoch,

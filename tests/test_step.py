@@ -67,3 +67,33 @@ def test_cuda_graph_on_where_it_cannot_run_is_one_line():
     assert wants_graph("auto", torch.device("cuda", 0), 1, data_parallel=True) is False  # torchrun, 1 rank
     with pytest.raises(ConfigError, match="got a data-parallel process group"):
         wants_graph("on", torch.device("cuda", 0), 1, data_parallel=True)
+
+
+def test_the_clip_folded_into_fused_adam_is_the_clip():
+    """On CUDA the clip factor reaches fused Adam as its gradient divisor instead of a pass over the
+    gradients; checked here with torch's fused CPU Adam against clip_grad_norm_ + the same Adam."""
+    import torch
+
+    from scaffold.step import fold_clip
+
+    results = []
+    for fold in (True, False):
+        net = torch.nn.Linear(64, 8)
+        torch.nn.init.constant_(net.weight, 0.5)
+        torch.nn.init.constant_(net.bias, 0.1)
+        params = list(net.parameters())
+        opt = torch.optim.Adam(params, lr=1e-2, eps=1.0, fused=True)  # eps: the update depends on the scale
+        x = torch.linspace(-3, 3, 64 * 4).view(4, 64)
+        for _ in range(3):
+            net(x).pow(2).sum().backward()  # gradients far above the clip: the clip acts
+            assert torch.nn.utils.get_total_norm([p.grad for p in params]) > 1.0
+            if fold:
+                fold_clip(opt, params, 0.1, torch.zeros(()))
+            else:
+                torch.nn.utils.clip_grad_norm_(params, 0.1, foreach=True)
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in params])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(results[0][0], torch.full_like(results[0][0], 0.5))  # they moved

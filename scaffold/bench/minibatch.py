@@ -6,13 +6,14 @@ side by side in one process:
   ladder    the default: every site on its `auto` rung (the convolutions `routed`: per direction on
             Triton or deterministic cuDNN as the measured routes say; GroupNorm, concat and the max
             pool on Triton)
-  graphed   the default as the trainer runs it on one GPU: forward, loss and backward captured once
-            as a CUDA graph and replayed (scaffold/step.py), clip and Adam eager
+  graphed   the default as the trainer runs it on one GPU: the whole step (forward, loss, backward,
+            clip, fused Adam) captured once as a CUDA graph and replayed (scaffold/step.py)
   triton    the default with the convolutions forced onto the Triton rung (conv=triton,
             conv_transpose=triton), to weigh that rung inside the real step
   cudnn     the default with the convolutions forced onto vendor (cuDNN), the other sites as ladder
-  vendor    every site forced to the vendor op (stock eager PyTorch: cuDNN + ATen)
-  compiled  the vendor model under torch.compile (what a user gets from stock PyTorch + compile)
+  vendor    every site forced to the vendor op (stock eager PyTorch: cuDNN + ATen, torch's default Adam)
+  compiled  the vendor model under torch.compile (what a user gets from stock PyTorch + compile), with
+            torch's default Adam
 Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with
 scaffold.bench.timing.measure (wall timer: CUDA events, one wait at the end); the table gives the median
 step time and the ratio to `vendor`.
@@ -113,8 +114,11 @@ def make_step(variant: str, scale: int, width: int, device: torch.device, n_clas
     edge = 2**scale
     masks = torch.randint(0, n_classes, (4, 1, edge, edge, edge), generator=g, dtype=torch.uint8).to(device)
     palette = torch.rand(n_classes, 3, generator=g).to(device)
-    step = TrainStep(net, loss_fn, make_optimizer(model.parameters(), cfg), palette,
-                     amp_dtype(cfg.precision, device), cfg.optim.grad_clip)
+    if variant in ("vendor", "compiled"):  # stock PyTorch: the optimizer a user gets by default
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.optim.weight_decay)
+    else:
+        optimizer = make_optimizer(model.parameters(), cfg)
+    step = TrainStep(net, loss_fn, optimizer, palette, amp_dtype(cfg.precision, device), cfg.optim.grad_clip)
     if variant == "graphed":
         if device.type != "cuda":
             raise ValueError("the graphed variant needs a CUDA device (CUDA graphs)")

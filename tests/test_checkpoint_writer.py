@@ -1,0 +1,105 @@
+"""Checkpoints written in the background: the snapshot is taken at submit (later training cannot leak
+into it), at most one write is in flight, a failed write surfaces as one CheckpointError, and the
+honest time to target counts everything from the first step."""
+from __future__ import annotations
+
+import errno
+import json
+import threading
+
+import pytest
+import torch
+
+from helpers import params, same_params, stable_rows, tiny_cfg
+from scaffold import checkpoint, worker
+
+
+def _state(t: torch.Tensor) -> dict:
+    return {"epoch": 1, "model": {"w": t}, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}},
+            "scheduler": {}, "rng": {}, "progress": {"best_epoch": 1}, "rows": []}
+
+
+def _check_snapshot(device: str, tmp_path) -> None:
+    w = torch.arange(1 << 20, dtype=torch.float32, device=device)
+    writer = checkpoint.Writer(tmp_path)
+    writer.submit(_state(w), best=True)
+    w.mul_(-1)  # the next step changes the parameters at once; the snapshot must not see it
+    writer.flush()
+    for name in ("last.pt", "best.pt"):
+        saved = checkpoint.load_one(tmp_path / name)["model"]["w"]
+        assert torch.equal(saved, torch.arange(1 << 20, dtype=torch.float32)), name
+    # The host buffers are reused by the next checkpoint, which holds the new values.
+    writer.submit(_state(w), best=False)
+    writer.flush()
+    assert torch.equal(checkpoint.load_one(tmp_path / "last.pt")["model"]["w"], w.cpu())
+    assert checkpoint.load_one(tmp_path / "best.pt")["model"]["w"][1] == 1  # best left as it was
+
+
+def test_the_snapshot_is_taken_at_submit_on_the_cpu(tmp_path):
+    _check_snapshot("cpu", tmp_path)
+
+
+@pytest.mark.gpu
+def test_the_snapshot_is_taken_at_submit_on_the_gpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    _check_snapshot("cuda", tmp_path)
+
+
+def test_one_write_in_flight_and_errors_surface_once(tmp_path, monkeypatch):
+    writer = checkpoint.Writer(tmp_path)
+    started, release = threading.Event(), threading.Event()
+    real = checkpoint.save
+    calls = []
+
+    def slow_then_full(path, state):
+        calls.append(state["epoch"])
+        if len(calls) == 1:
+            started.set()
+            release.wait(timeout=60)
+            raise checkpoint.CheckpointError(f"{path}: cannot write the checkpoint "
+                                             f"({__import__('os').strerror(errno.ENOSPC)})")
+        real(path, state)
+
+    monkeypatch.setattr(checkpoint, "save", slow_then_full)
+    writer.submit(_state(torch.ones(4)), best=False)
+    assert started.wait(timeout=60)
+    assert writer.thread.is_alive()  # submit returned while the write goes on
+    release.set()
+    with pytest.raises(checkpoint.CheckpointError, match="No space left on device"):
+        writer.submit(dict(_state(torch.ones(4)), epoch=2), best=False)  # waits for the first, raises
+    assert calls == [1]  # the second was not started on top of a failed first
+    writer.submit(dict(_state(torch.ones(4)), epoch=2), best=False)
+    writer.flush()
+    assert checkpoint.load_one(tmp_path / "last.pt")["epoch"] == 2
+
+
+def test_time_to_target_is_the_wall_clock_from_the_first_step(cache, tmp_path):
+    result = worker.run(tiny_cfg(cache, "target_dice=0.01", "epochs=3"), tmp_path)
+    assert result["target_epoch"] == 1
+    rows = json.loads((tmp_path / "result.json").read_text())
+    assert rows["time_to_target_s"] == result["time_to_target_s"]
+    # Everything of the epoch counts: at least its training and evaluation, plus what came after.
+    assert result["time_to_target_s"] >= result["train_time_s"] > 0
+    assert set(result["startup"]) == {"dataset_s", "model_s", "warmup_s", "capture_s"}
+    assert result["startup_s"] >= sum(result["startup"].values())
+
+
+@pytest.mark.gpu
+def test_a_graphed_run_resumed_from_its_checkpoint_is_bitwise(cache, tmp_path):
+    """The captured step reads Adam's learning rate from its device tensor: after a resume (state
+    loaded, the graph captured again) the trajectory is the uninterrupted one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    small = ["scale=5", "model.bottleneck=3", "model.base_width=16", "model.groups=8", "device=cuda",
+             "warmup_steps=1", "optim.t0=1"]  # the rate changes every epoch
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    worker.run(tiny_cfg(cache, *small, "epochs=3"), whole)
+    worker.run(tiny_cfg(cache, *small, "epochs=2"), part)
+    cfg = tiny_cfg(cache, *small, "epochs=3")
+    cfg.resume = str(part)
+    worker.run(cfg, part, resume=True)
+    rows = stable_rows(whole / "train_stats.csv")
+    assert rows == stable_rows(part / "train_stats.csv")
+    assert len({r["lr"] for r in rows}) > 1  # the rate moved across the resume
+    assert same_params(params(whole), params(part))
