@@ -36,6 +36,10 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint; the message is one line naming the file or folder."""
 
 
+class NoCheckpoint(CheckpointError):
+    """Neither `last` nor `best` exists (none was written yet): nothing damaged."""
+
+
 class _Hashing:
     """A write-only file that hashes what passes through (torch.save streams into it)."""
 
@@ -119,7 +123,7 @@ def load_latest(folder: Path) -> tuple[dict[str, Any], Path]:
     folder = Path(folder)
     last, best = folder / LAST, folder / BEST
     if not last.exists() and not best.exists():
-        raise CheckpointError(f"{folder}: no checkpoint to resume from (neither {LAST} nor {BEST})")
+        raise NoCheckpoint(f"{folder}: no checkpoint to resume from (neither {LAST} nor {BEST})")
     problem = None
     if last.exists():
         try:

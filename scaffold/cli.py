@@ -158,7 +158,8 @@ def _apply(node: Any, key: str, value: Any, sweep: Any = None) -> None:
         raise ConfigError(_in_sweep(f"{key}={value!r}: {msg}", sweep)) from None
 
 
-def preflight(argv: list[str], check_resume: bool = True, claim: bool = False) -> list[str]:
+def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
+              check: Any = validate) -> list[str]:
     """Check overrides against the schema; returns argv, with Hydra's run dir pointed at a resumed run
     (or, with `claim`, at a new run's directory created here: see claim_run_dir)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -208,7 +209,7 @@ def preflight(argv: list[str], check_resume: bool = True, claim: bool = False) -
                 _apply(trial, o.key_or_group, v)
             if trial.resume is None:
                 try:
-                    validate(trial)
+                    check(trial)
                 except ConfigError as e:
                     raise ConfigError(_in_sweep(str(e), o)) from None
     out_keys = ("hydra.run.dir", "hydra.sweep.dir")

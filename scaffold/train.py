@@ -47,6 +47,7 @@ def _task(cfg) -> float:
     from hydra.types import RunMode
 
     from scaffold import worker
+    from scaffold.data.store import DatasetCorrupt
     from scaffold.stats import StatsError
     from scaffold.trainer import Diverged, Interrupted
 
@@ -63,7 +64,7 @@ def _task(cfg) -> float:
         log.warning("%s", e)
         print(f"{e} (resume={run_dir} continues it)", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except (ConfigError, CheckpointError, StatsError, Diverged, OSError) as e:
+    except (ConfigError, CheckpointError, StatsError, DatasetCorrupt, Diverged, OSError) as e:
         if isinstance(e, OSError) and e.errno not in cli.STORAGE_ERRORS:
             raise  # not a full or read-only disk: a bug to see whole
         if isinstance(e, OSError):

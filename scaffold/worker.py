@@ -164,33 +164,38 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
     state = None
     original_overrides, resumes = list(overrides or []), []
     if resume:
-        state, ckpt_path = checkpoint.load_latest(run_dir / "checkpoints")
-        log.info("resuming from %s (epoch %d)", ckpt_path, state["epoch"])
+        try:
+            state, ckpt_path = checkpoint.load_latest(run_dir / "checkpoints")
+            log.info("resuming from %s (epoch %d)", ckpt_path, state["epoch"])
+        except checkpoint.NoCheckpoint as e:
+            # Stopped before its first checkpoint reached the disk (written in the background): every
+            # random stream is seeded, so starting over gives the bits of a run that never stopped.
+            log.warning("%s: the run starts over from epoch 1", e)
 
-    # ---- data: one rank per node generates (or reuses) the dataset, the others then reuse it
-    from scaffold.data.store import load_masks, prepare, read_info
+    # ---- data: one rank per node generates (or reuses, verified; or repairs) the dataset, the others
+    # then read it, verified too
+    from scaffold.data import store
 
     t0 = time.perf_counter()
     leader = place.local_rank == 0
-    path, error = _attempt(prepare, cfg.data, cfg.scale, cfg.seed, progress=cfg.progress and place.is_main) \
+    data, error = _attempt(store.load, cfg.data, cfg.scale, cfg.seed, progress=cfg.progress and place.is_main) \
         if leader else (None, None)
     distributed.agree(error, place)
     if not leader:
-        path = prepare(cfg.data, cfg.scale, cfg.seed, progress=False)
-    info = read_info(path)
+        data = store.load(cfg.data, cfg.scale, cfg.seed, progress=False, repair=False)
+    path, info, train_masks, val_masks = data
+    del data
     data_seconds = time.perf_counter() - t0
     log.info("dataset %s: %d train + %d validation volumes of %d³, %d classes (%.1f s)", path,
              info.n_train, info.n_val, info.edge, info.n_classes, data_seconds)
 
     # Triton's compiled kernels beside the datasets: one folder to keep (or mount into a container)
     # makes a later run on the machine start warm. A TRITON_CACHE_DIR of the user's wins.
-    from scaffold.data.store import cache_dir
-
-    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir(cfg.data.cache_dir) / "triton"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(store.cache_dir(cfg.data.cache_dir) / "triton"))
 
     # ---- model, loss, volumes on the device
     t_model = time.perf_counter()
-    from scaffold.loss import SegmentationLoss, check_labels, class_weights
+    from scaffold.loss import SegmentationLoss, check_labels, class_weights, sampled_counts
     from scaffold.model.ladder import census, format_census
     from scaffold.model.unet import UNet3d
 
@@ -199,9 +204,10 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last_3d)
-    loss_fn = SegmentationLoss(class_weights(info.class_counts), rung=cfg.ladder.loss).to(device)
-    train = torch.from_numpy(load_masks(path, "train"))
-    val = torch.from_numpy(load_masks(path, "val"))
+    fraction = float(cfg.data.ce_weight_sample_fraction)
+    counts = info.class_counts if fraction >= 1 else sampled_counts(train_masks, fraction, info.n_classes)
+    loss_fn = SegmentationLoss(class_weights(counts), rung=cfg.ladder.loss).to(device)
+    train, val = torch.from_numpy(train_masks), torch.from_numpy(val_masks)
     check_labels(train, info.n_classes)  # once per dataset, never inside the step
     check_labels(val, info.n_classes)
     volumes = Volumes(train.to(device), val.to(device), torch.from_numpy(info.palette).to(device))
@@ -246,8 +252,8 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         })
     elif place.is_main:  # recorded once the resume has passed every check, before it trains
-        original_overrides, resumes = record_resume(run_dir, int(state["epoch"]), Path(ckpt_path).name,
-                                                    overrides or [])
+        original_overrides, resumes = record_resume(run_dir, int(state["epoch"]) if state else 0,
+                                                    Path(ckpt_path).name if state else None, overrides or [])
     tracker = NullTracker()
     if place.is_main:
         tracker = make_tracker(cfg, run_dir, resume_epoch=state["epoch"] if state else 0)

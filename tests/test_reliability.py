@@ -305,3 +305,116 @@ def test_divergence_in_the_first_epoch_names_no_missing_checkpoint(cache, tmp_pa
     with pytest.raises(Diverged, match="non-finite loss at epoch 1 .*; no checkpoint was written before it"):
         worker.run(tiny_cfg(cache), tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+
+
+# ------------------------------------------------------------------------------------ 4. datasets
+def _dataset_copy(cache, tmp_path):
+    """A private copy of the tiny dataset cache (the shared one stays intact), and its one file."""
+    from scaffold.data.store import prepare
+
+    cfg = tiny_cfg(cache)
+    src = prepare(cfg.data, cfg.scale, cfg.seed, progress=False)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    return folder, shutil.copy(src, folder / src.name)
+
+
+def _fingerprint(h5):
+    import h5py
+    import numpy as np
+
+    with h5py.File(h5, "r") as f:
+        return ([bytes(x) for x in f["train/masks"].attrs["sha256"]], [bytes(x) for x in f["val/masks"].attrs["sha256"]],
+                np.asarray(f["palette"][...]).tobytes(), f.attrs["format_version"])
+
+
+def _chunk_offset(h5, split, index):
+    import h5py
+
+    with h5py.File(h5, "r") as f:
+        info = f[f"{split}/masks"].id.get_chunk_info(index)
+        return info.byte_offset + info.size // 2
+
+
+def _palette_offset(h5):
+    import h5py
+
+    with h5py.File(h5, "r") as f:
+        return f["palette"].id.get_offset()
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("chunk", "train mask 1 fails its checksum; regenerating it"),
+    ("palette", "palette fails its checksum; regenerating it"),
+    ("rewrite", "val mask 0 fails its checksum; regenerating it"),
+    ("format1", "format version 1, expected 2; regenerating it"),
+])
+def test_a_damaged_dataset_is_reported_in_one_line_and_regenerated(baseline, cache, tmp_path, damage, expected):
+    import h5py
+
+    folder, h5 = _dataset_copy(cache, tmp_path)
+    good = _fingerprint(h5)
+    if damage == "chunk":  # inside a volume's gzip stream: h5py itself would fail to inflate it
+        flip_byte(h5, _chunk_offset(h5, "train", 1))
+    elif damage == "palette":
+        flip_byte(h5, _palette_offset(h5) + 5)
+    elif damage == "rewrite":  # valid data, written through h5py (its own checksums would agree)
+        with h5py.File(h5, "r+") as f:
+            f["val/masks"][0] = 0
+    else:  # written before datasets carried checksums
+        with h5py.File(h5, "r+") as f:
+            f.attrs["format_version"] = 1
+            for split in ("train", "val"):
+                del f[f"{split}/masks"].attrs["sha256"]
+    res = cli(*args(folder), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert sum(expected in line for line in out.splitlines()) == 1, out[-3000:]
+    assert _fingerprint(h5) == good  # regenerated: the same dataset as before the damage
+    run = next(tmp_path.glob("outputs/*/*"))
+    assert stable_rows(run / "train_stats.csv") == stable_rows(baseline / "train_stats.csv")
+
+
+def test_a_read_only_cache_with_a_valid_dataset_is_read(baseline, cache, tmp_path):
+    folder, h5 = _dataset_copy(cache, tmp_path)
+    site = read_only_site(tmp_path / "site", folder)
+    res = cli(*args(folder), cwd=tmp_path, env={"PYTHONPATH": f"{site}:{REPO}"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = next(tmp_path.glob("outputs/*/*"))
+    assert stable_rows(run / "train_stats.csv") == stable_rows(baseline / "train_stats.csv")
+    # Generating into it is what needs a writable folder: one line then.
+    res = cli(*args(folder, "seed=7"), cwd=tmp_path, env={"PYTHONPATH": f"{site}:{REPO}"})
+    assert res.returncode == 2
+    one_error_line(res, f"data.cache_dir={str(folder)!r}: cannot write there (Read-only file system)")
+
+
+def test_a_bad_cache_dir_is_one_line_and_leaves_no_run_directory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    res = cli(*args(blocker), cwd=tmp_path)
+    assert res.returncode == 2
+    one_error_line(res, f"data.cache_dir={str(blocker)!r}")
+    assert not list(tmp_path.glob("outputs/*/*"))
+    assert blocker.read_text() == "not a folder"
+
+
+def test_an_error_in_a_config_file_leaves_no_run_directory(cache, tmp_path):
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "mine.yaml").write_text("defaults:\n  - base_config\n  - _self_\nlr: -1.0\n")
+    res = cli("--config-dir", str(conf), "--config-name", "mine", *args(cache), cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    one_error_line(res, "lr=-1.0: expected a number in (0, 10]")
+    assert not list(tmp_path.glob("outputs/*/*"))
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("foo=1", "error: foo: unknown key"),
+    ("more_determinism=1", "error: more_determinism is retired"),
+    ("data.n_categories=0", "error: data.n_categories=0: expected a positive integer"),
+])
+def test_the_data_command_checks_its_input_first(tmp_path, override, expected):
+    res = cli(override, f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path, module="scaffold.data")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[0].startswith(expected) and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "cache").exists()

@@ -139,9 +139,23 @@ def test_resume_errors_are_one_line(cache, tmp_path):
     res = cli(f"resume={foreign}", cwd=tmp_path)
     assert res.returncode == 2 and "not a scaffold run directory" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
-    (foreign / "run.json").write_text(json.dumps({"config": {}}))
-    res = cli(f"resume={foreign}", cwd=tmp_path)
-    assert res.returncode == 2 and "no checkpoint to resume from" in res.stderr, res.stderr[-2000:]
+
+
+
+def test_resume_before_the_first_checkpoint_starts_over_bitwise(baseline, cache, tmp_path):
+    """Checkpoints reach the disk in the background: a run stopped before its first one did has only
+    run.json (and maybe CSV rows). Its resume starts over and gives the uninterrupted bits."""
+    run_dir, _ = baseline
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "run.json").write_text(json.dumps({"config": worker.config_dict(tiny_cfg(cache)), "overrides": []}))
+    (early / "train_stats.csv").write_text((run_dir / "train_stats.csv").read_text().splitlines()[0] + "\n")
+    res = cli(f"resume={early}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "no checkpoint to resume from (neither last.pt nor best.pt): the run starts over from epoch 1" \
+        in res.stdout + res.stderr
+    assert stable_rows(early / "train_stats.csv") == stable_rows(run_dir / "train_stats.csv")
+    assert same_params(params(early), params(run_dir))
 
 
 @pytest.mark.parametrize("override, expected", [

@@ -62,9 +62,11 @@ def describe(path: pathlib.Path) -> str:
 
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base=None)
 def main(cfg) -> None:
+    from .store import DatasetCorrupt, load
+
     try:
-        path = prepare(cfg.data, cfg.scale, cfg.seed, progress=cfg.progress)
-    except ConfigError as err:
+        path = load(cfg.data, cfg.scale, cfg.seed, progress=cfg.progress)[0]  # verified, or repaired
+    except (ConfigError, DatasetCorrupt) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     print(describe(path))
@@ -76,6 +78,16 @@ def _with_quiet_hydra(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    from .. import cli
+
+    from ..config import validate_data
+
+    try:  # the training command's pre-flight (unknown keys, wrong types, retired keys), then the
+        # semantic checks of what this command reads: the data keys
+        cli.preflight(sys.argv[1:], check_resume=False, check=lambda c: validate_data(c.data, c.scale))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     register()
     register_help()
     sys.argv = _with_quiet_hydra(sys.argv)

@@ -15,6 +15,14 @@ Where: `cache_dir(data_cfg.cache_dir)`. An explicit `data.cache_dir` wins; the d
 cache per user, shared by every working directory: `$SCAFFOLD_CACHE` if set, else
 `$XDG_CACHE_HOME/scaffold`, else `~/.cache/scaffold`.
 
+Verified contents (format 2): each masks dataset carries `sha256`, one SHA-256 per volume of its stored
+chunk (the zlib stream as it lies in the file), and the palette and class counts a `sha256` of their
+bytes. Loading reads each volume's chunk as stored, checks its hash and inflates it itself, so the bytes
+trained on are the bytes verified, and a flipped byte, a rewritten mask or a damaged gzip chunk is one
+line and a regenerated file (`load`), never a traceback or silent training on altered data. (HDF5's own
+Fletcher-32 filter would catch a flipped byte but not a mask rewritten through h5py, which recomputes
+it.) Files of format 1 carry no hashes: they are regenerated, said in one line.
+
 The file is written under a temporary name in the destination folder and renamed with os.replace, so a
 crash never leaves a torn dataset under the real name. A file that exists but is not a complete
 dataset of the expected config is reported in one warning line and regenerated. Concurrent runs that
@@ -31,6 +39,7 @@ import logging
 import os
 import pathlib
 import tempfile
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +53,7 @@ from .generate import iter_volumes, resolve_workers
 from .library import classes_digest, classes_for
 from .volumes import Plan, make_palette, plan_dataset
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-volume SHA-256 of the stored chunks, and of the palette and class counts
 SPLITS = ("train", "val")
 log = logging.getLogger(__name__)
 
@@ -75,13 +84,15 @@ def data_key(data_cfg: Any, scale: int, seed: int, classes: np.ndarray) -> dict:
         "fractals_per_volume": int(data_cfg.fractals_per_volume),
         "val_fraction": float(data_cfg.val_fraction),
         "variance_threshold": float(data_cfg.variance_threshold),
+        "class_rule": str(getattr(data_cfg, "class_rule", "upstream")),
         "format_version": FORMAT_VERSION,
         "library_sha256": classes_digest(classes),
     }
 
 
 def _classes(data_cfg: Any) -> np.ndarray:
-    return classes_for(int(data_cfg.n_categories), float(data_cfg.variance_threshold))
+    return classes_for(int(data_cfg.n_categories), float(data_cfg.variance_threshold),
+                       str(getattr(data_cfg, "class_rule", "upstream")))
 
 
 def _file_name(key: dict) -> str:
@@ -153,6 +164,8 @@ def _problem(path: pathlib.Path, key: dict | None) -> str | None:
                 if not isinstance(masks, h5py.Dataset) or masks.dtype != np.uint8 \
                         or masks.ndim != 4 or masks.shape[1:] != (edge,) * 3 or masks.shape[0] < 1:
                     return f"dataset {split}/masks missing or not uint8 (n, {edge}, {edge}, {edge})"
+                if len(masks.attrs.get("sha256", ())) != masks.shape[0]:
+                    return f"dataset {split}/masks has no checksum per volume"
             for name, shape, dtype in (("palette", (n_classes, 3), np.float32),
                                        ("class_counts", (n_classes,), np.int64)):
                 found = f.get(name)
@@ -178,16 +191,30 @@ def _write(path: pathlib.Path, plan: Plan, key: dict, workers: int, progress: bo
                                          compression="gzip", compression_opts=4)
                  for split, n in sizes.items()}
         counts = np.zeros(n_classes, dtype=np.int64)
+        hashes = {split: [""] * n for split, n in sizes.items()}
         for index, volume in enumerate(iter_volumes(plan, workers, progress)):
             split, row = ("train", index) if index < plan.n_train else ("val", index - plan.n_train)
             # The workers already deflated the chunk exactly as the gzip filter would store it.
             masks[split].id.write_direct_chunk((row, 0, 0, 0), volume.chunk)
+            hashes[split][row] = _sha256(volume.chunk)
             if split == "train":
                 counts += volume.counts
+        for split, dataset in masks.items():
+            dataset.attrs["sha256"] = np.array(hashes[split], dtype="S64")
         palette = f.create_dataset("palette", data=make_palette(len(plan.classes), plan.seed))
         class_counts = f.create_dataset("class_counts", data=counts)
+        for dataset in (palette, class_counts):
+            dataset.attrs["sha256"] = _sha256(np.ascontiguousarray(dataset[...]).tobytes())
         _describe(f, masks, palette, class_counts, edge, int(key["scale"]))
         f.attrs["complete"] = True
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class DatasetCorrupt(ValueError):
+    """Stored contents that fail their checksum; the message is one line naming the file and what."""
 
 
 def class_names(n_categories: int) -> list[str]:
@@ -225,20 +252,25 @@ def _describe(f: h5py.File, masks: dict, palette: h5py.Dataset, class_counts: h5
     class_counts.attrs["class_names"] = names
 
 
-def prepare(data_cfg: Any, scale: int, seed: int, progress: bool = True) -> pathlib.Path:
-    """The dataset file for this config: reused when present and valid, generated otherwise."""
+def prepare(data_cfg: Any, scale: int, seed: int, progress: bool = True,
+            regenerate: str | None = None) -> pathlib.Path:
+    """The dataset file for this config: reused when present and valid, generated otherwise (or when
+    `regenerate` says why the present one must go). A folder that holds a valid dataset is only read,
+    so a read-only cache serves; it must be writable only when a file has to be generated."""
     validate_data(data_cfg, scale)
     classes = _classes(data_cfg)
     key = data_key(data_cfg, scale, seed, classes)
     plan = plan_dataset(data_cfg, scale, seed, classes)
     folder, source = cache_location(data_cfg.cache_dir)
     path = folder / _file_name(key)
-    _ensure_writable(folder, source)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{source}={str(folder)!r}: not a folder")
     if path.exists():
-        problem = _problem(path, key)
+        problem = regenerate or _problem(path, key)
         if problem is None:
             return path
-        log.warning("dataset %s is %s; regenerating it", path, problem)
+        log.warning("dataset %s: %s; regenerating it", path, problem)
+    _ensure_writable(folder, source)
     workers = resolve_workers(int(data_cfg.workers), len(plan.volumes))
     log.info("generating %s: %d volumes of %d³ with %d worker(s)", path, len(plan.volumes), plan.edge,
              workers)
@@ -247,7 +279,8 @@ def prepare(data_cfg: Any, scale: int, seed: int, progress: bool = True) -> path
 
 
 def read_info(path: os.PathLike | str) -> DatasetInfo:
-    """A dataset file's shapes, palette, class counts and provenance (masks stay on disk)."""
+    """A dataset file's shapes, palette, class counts and provenance (masks stay on disk); the palette
+    and the counts are verified against their checksums (DatasetCorrupt)."""
     path = pathlib.Path(path)
     problem = _problem(path, None)
     if problem is not None:
@@ -260,14 +293,63 @@ def read_info(path: os.PathLike | str) -> DatasetInfo:
         return DatasetInfo(path=path, edge=int(f["train/masks"].shape[1]),
                            n_classes=int(f["palette"].shape[0]), n_train=int(f["train/masks"].shape[0]),
                            n_val=int(f["val/masks"].shape[0]),
-                           palette=np.asarray(f["palette"][...], dtype=np.float32),
-                           class_counts=np.asarray(f["class_counts"][...], dtype=np.int64),
+                           palette=_verified(path, f, "palette", np.float32),
+                           class_counts=_verified(path, f, "class_counts", np.int64),
                            provenance=provenance)
 
 
+def _verified(path: pathlib.Path, f: h5py.File, name: str, dtype) -> np.ndarray:
+    try:
+        data = np.ascontiguousarray(f[name][...], dtype=dtype)
+    except OSError as err:
+        raise DatasetCorrupt(f"{path}: {name} unreadable ({_first_line(err)})") from None
+    if _sha256(data.tobytes()) != _text(f[name].attrs.get("sha256", "")):
+        raise DatasetCorrupt(f"{path}: {name} fails its checksum")
+    return data
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0]
+
+
 def load_masks(path: os.PathLike | str, split: str) -> np.ndarray:
-    """A whole split's masks in memory: uint8 (n, E, E, E)."""
+    """A whole split's masks in memory: uint8 (n, E, E, E), every volume verified. Each volume's chunk is
+    read as stored, checked against its SHA-256 and inflated here, so the masks returned are exactly
+    the bytes that were checked; DatasetCorrupt (one line) names the first volume that fails."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
+    path = pathlib.Path(path)
     with h5py.File(path, "r") as f:
-        return f[f"{split}/masks"][...]
+        ds = f[f"{split}/masks"]
+        n, edge = ds.shape[0], ds.shape[1:]
+        hashes = [_text(h) for h in ds.attrs["sha256"]]
+        out = np.empty(ds.shape, dtype=np.uint8)
+        for i in range(n):
+            try:
+                _, raw = ds.id.read_direct_chunk((i, 0, 0, 0))
+            except (OSError, KeyError) as err:
+                raise DatasetCorrupt(f"{path}: {split} mask {i} unreadable ({_first_line(err)})") from None
+            if _sha256(raw) != hashes[i]:
+                raise DatasetCorrupt(f"{path}: {split} mask {i} fails its checksum")
+            out[i] = np.frombuffer(zlib.decompress(raw), dtype=np.uint8).reshape(edge)
+        return out
+
+
+def load(data_cfg: Any, scale: int, seed: int, progress: bool = True, repair: bool = True
+         ) -> tuple[pathlib.Path, DatasetInfo, np.ndarray, np.ndarray]:
+    """The dataset of this config, read and verified: (path, info, train masks, validation masks).
+    Damaged contents are said in one line and the file regenerated once (`repair`; only the process
+    that generates datasets repairs them), else DatasetCorrupt."""
+    path = prepare(data_cfg, scale, seed, progress)
+    try:
+        return path, read_info(path), load_masks(path, "train"), load_masks(path, "val")
+    except DatasetCorrupt as err:
+        if not repair:
+            raise
+        reason = str(err).split(": ", 1)[-1]
+    path = prepare(data_cfg, scale, seed, progress, regenerate=reason)
+    return path, read_info(path), load_masks(path, "train"), load_masks(path, "val")
