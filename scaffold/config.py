@@ -41,7 +41,15 @@ class DataConfig:
     val_fraction: float = 0.3
     """Share of the volumes held out for validation."""
     variance_threshold: float = 0.15
-    """A class is accepted when its normalized point cloud has at least this variance on every axis."""
+    """A class is accepted when its normalized point cloud has more than this variance on every axis."""
+    class_rule: str = "upstream"
+    """How a class candidate's cloud is normalized before that test: upstream (upstream ScaFFold's rule:
+    each axis mean-centred and min-max scaled to a range of 2; our contraction test kept as a guard) |
+    rms (this project's earlier rule: centred and divided by the RMS radius, so the three variances sum
+    to 1; datasets made with it stay reproducible)."""
+    ce_weight_sample_fraction: float = 1.0
+    """Share of the training masks, evenly spaced, whose voxel counts set the cross-entropy class
+    weights (1 = all of them; upstream ScaFFold samples 0.1). Does not change the dataset."""
     cache_dir: str = "auto"
     """Folder holding generated datasets (one HDF5 file per data-defining config). auto = one cache per
     user, shared by every working directory: $SCAFFOLD_CACHE if set, else $XDG_CACHE_HOME/scaffold, else
@@ -58,6 +66,9 @@ class ModelConfig:
     """Channels after the stem; doubles at every level."""
     groups: int = 8
     """GroupNorm groups; must divide every width."""
+    recompute: str = "off"
+    """off | blocks: recompute each DoubleConv's activations in the backward instead of keeping them
+    (torch.utils.checkpoint, non-reentrant): the same bits, less activation memory, more compute."""
 
 
 @dataclass
@@ -190,9 +201,16 @@ def validate_data(data: Any, scale: int) -> None:
     _need(data.n_instances <= 145, "data.n_instances", "at most 145 (12 positions x 12 factors + 1)",
           data.n_instances)
     _need(0.0 < data.val_fraction < 1.0, "data.val_fraction", "a number in (0, 1)", data.val_fraction)
-    # Normalized clouds have per-axis variances summing to 1, so no class can pass 1/3 on every axis.
-    _need(0 < data.variance_threshold < 1 / 3, "data.variance_threshold", "a number in (0, 1/3)",
-          data.variance_threshold)
+    rule = getattr(data, "class_rule", "upstream")
+    _need(rule in ("upstream", "rms"), "data.class_rule", "upstream | rms", rule)
+    # upstream: each scaled axis spans 2, so its variance is at most 1; rms: the three normalized
+    # variances sum to 1, so no class can pass 1/3 on every axis.
+    top, shown = (1.0, "1") if rule == "upstream" else (1 / 3, "1/3")
+    _need(0 < data.variance_threshold < top, "data.variance_threshold",
+          f"a number in (0, {shown}) under data.class_rule={rule}", data.variance_threshold)
+    fraction = getattr(data, "ce_weight_sample_fraction", 1.0)
+    _need(_finite(fraction) and 0 < fraction <= 1, "data.ce_weight_sample_fraction", "a number in (0, 1]",
+          fraction)
     _need(data.workers >= 0, "data.workers", "an integer >= 0 (0 = one per core)", data.workers)
 
 
@@ -228,6 +246,8 @@ def validate(cfg: Any) -> None:
     validate_data(cfg.data, cfg.scale)
     m = cfg.model
     check_model(cfg.scale, m.bottleneck, m.base_width, m.groups)
+    _need(getattr(m, "recompute", "off") in ("off", "blocks"), "model.recompute", "off | blocks",
+          getattr(m, "recompute", "off"))
     _need(cfg.epochs == -1 or cfg.epochs > 0, "epochs", "a positive integer or -1 (until converged)",
           cfg.epochs)
     _need(cfg.batch_size > 0, "batch_size", "a positive integer", cfg.batch_size)

@@ -48,6 +48,15 @@ def class_weights(counts: Sequence[int] | np.ndarray) -> torch.Tensor:
     return torch.from_numpy(w).to(torch.float32)
 
 
+def sampled_counts(masks: np.ndarray, fraction: float, n_classes: int) -> np.ndarray:
+    """Voxel counts per label over an evenly spaced `fraction` of the training masks (at least one):
+    upstream ScaFFold estimates its CE weights from 10% of them. fraction = 1 counts every mask."""
+    n = masks.shape[0]
+    k = max(1, min(n, int(round(fraction * n))))
+    picks = np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))
+    return np.bincount(masks[picks].reshape(-1), minlength=n_classes).astype(np.int64)
+
+
 def check_shapes(logits: torch.Tensor, labels: torch.Tensor, n_classes: int) -> None:
     """Logits (N, C, D, H, W) against labels (N, D, H, W); reads shapes only."""
     ok = (logits.dim() == 5 and labels.dim() == 4 and logits.shape[1] == n_classes

@@ -48,13 +48,51 @@ def test_non_finite_points_are_rejected():
 
 
 def test_accepted_class_passes_the_threshold_on_every_axis():
-    params = library.load_library()[0]
-    assert ifs.accepts(params, 0.15)
+    params = library.load_library("rms")[0]
+    assert ifs.accepts(params, 0.15, rule="rms")
     shares = ifs.normalize(ifs.chaos_game(params, 4096, rng(1, "t"))).var(axis=0)
     assert shares.sum() == pytest.approx(1.0)
     assert (shares > 0.15).all()
     # No cloud can give every axis more than 1/3 of the spread.
-    assert not ifs.accepts(params, 0.34)
+    assert not ifs.accepts(params, 0.34, rule="rms")
+
+
+def _upstream_variances(points: np.ndarray) -> np.ndarray:
+    """Upstream ScaFFold's rule, written out here on its own: per axis, centre on the mean and scale
+    by 2 / (max - min); the per-axis variances."""
+    lo, hi = points.min(axis=0), points.max(axis=0)
+    return ((points - points.mean(axis=0)) * (2.0 / (hi - lo))).var(axis=0)
+
+
+def test_every_shipped_class_satisfies_upstreams_acceptance_rule():
+    classes = library.load_library()  # the default library: class_rule=upstream
+    assert len(classes) == 64
+    # Each class's candidate number (its place in the seeded draw), hence the very cloud it was judged on.
+    rows = {classes[k].tobytes(): k for k in range(len(classes))}
+    judged = {}
+    for index in range(100_000):
+        k = rows.get(ifs.draw_candidate(0, index).tobytes())
+        if k is not None:
+            judged[k] = index
+        if len(judged) == len(classes):
+            break
+    assert sorted(judged) == list(range(len(classes)))
+    for k, index in judged.items():
+        points = ifs.chaos_game(classes[k], ifs.SEARCH_POINTS, rng(0, "class-test", index))
+        assert np.isfinite(points).all(), k
+        assert (_upstream_variances(points) > 0.15).all(), (k, _upstream_variances(points))
+    # The earlier rule's first five classes (the old default data) do not pass it.
+    old = library.load_library("rms")[:5]
+    passing = [bool((_upstream_variances(ifs.chaos_game(p, ifs.SEARCH_POINTS, rng(0, "c", k))) > 0.15).all())
+               for k, p in enumerate(old)]
+    assert not any(passing), passing  # as measured against upstream's code: none of the five passes
+
+
+def test_the_rules_disagree_and_the_guard_is_counted():
+    stats: dict = {}
+    ifs.search_classes(8, 0, 0.15, stats, rule="upstream")
+    assert stats["rule"] == "upstream" and stats["accepted"] == 8 and stats["candidates"] > 8
+    assert "guard_rejected" in stats
 
 
 def test_chaos_game_is_deterministic_and_sized():
@@ -65,13 +103,14 @@ def test_chaos_game_is_deterministic_and_sized():
     assert not np.array_equal(a, ifs.chaos_game(params, 3000, rng(6, "t")))
 
 
-def test_shipped_library_regenerates_identically(capsys):
-    text = library.repository_library_path().read_text(encoding="utf-8")
+@pytest.mark.parametrize("rule", ["upstream", "rms"])
+def test_shipped_library_regenerates_identically(capsys, rule):
+    text = library.repository_library_path().with_name(library.LIBRARY_FILES[rule]).read_text(encoding="utf-8")
     header = [line for line in text.splitlines() if line.startswith("# Regenerate:")]
-    assert header and "--search 64 --seed 0" in header[0]
-    assert library.main(["--search", "64", "--seed", "0"]) == 0
+    assert header and f"--search 64 --seed 0 --threshold 0.15 --rule {rule}" in header[0]
+    assert library.main(["--search", "64", "--seed", "0", "--rule", rule]) == 0
     assert capsys.readouterr().out == text
-    assert len(library.parse_library(text)) >= 50
+    assert len(library.parse_library(text)) == 64
 
 
 def test_library_round_trips_exactly():
@@ -82,20 +121,26 @@ def test_library_round_trips_exactly():
 
 def test_missing_library_is_regenerated_deterministically(monkeypatch):
     shipped = library.load_library()
-    monkeypatch.setattr(library, "_library_text", lambda: None)
+    monkeypatch.setattr(library, "_library_text", lambda rule="upstream": None)
     assert np.array_equal(library.load_library(), shipped)
 
 
 def test_classes_for_rejects_impossible_thresholds():
-    with pytest.raises(ConfigError, match=r"^data.variance_threshold=0.34: expected a number in \(0, 1/3\)"):
-        library.classes_for(3, 0.34)
+    with pytest.raises(ConfigError, match=r"^data.variance_threshold=0.34: expected a number in \(0, 1/3\) under "
+                                          r"class_rule=rms"):
+        library.classes_for(3, 0.34, "rms")
+    with pytest.raises(ConfigError, match=r"^data.variance_threshold=1.0: expected a number in \(0, 1\)"):
+        library.classes_for(3, 1.0)
+    with pytest.raises(ConfigError, match=r"^data.class_rule='mine': expected upstream \| rms"):
+        library.classes_for(3, 0.15, "mine")
 
 
 def test_classes_for_other_thresholds_is_a_prefix_of_the_same_search():
     assert np.array_equal(library.classes_for(5, 0.15), library.load_library()[:5])
-    stricter = library.classes_for(4, 0.25)
-    assert np.array_equal(stricter, ifs.search_classes(4, 0, 0.25))
-    assert np.array_equal(ifs.search_classes(2, 0, 0.25), stricter[:2])
+    assert np.array_equal(library.classes_for(5, 0.15, "rms"), library.load_library("rms")[:5])
+    stricter = library.classes_for(4, 0.25, "rms")
+    assert np.array_equal(stricter, ifs.search_classes(4, 0, 0.25, rule="rms"))
+    assert np.array_equal(ifs.search_classes(2, 0, 0.25, rule="rms"), stricter[:2])
 
 
 def test_bad_library_line_is_a_one_line_error():

@@ -21,7 +21,10 @@ SCALE, SEED = 3, 5
 # Regression guard: sha256 of train masks + val masks + palette + class_counts of the SMALL dataset.
 # It changes only when the generator's output changes. If that is deliberate, bump
 # store.FORMAT_VERSION (old caches must not be reused) and record the new value printed by the failure.
-SMALL_SHA256 = "fe5b3ca78bca99a0cdbc782ddfc9086f8e5337ceeae8a51cc2cd9beeb45c62fe"
+SMALL_SHA256 = "4ad63a4f6b7238698e959906113dfc34f988612e6f91d8faa00e165bf405af2d"  # class_rule=upstream
+# The same dataset under the earlier class rule: the bytes it had before upstream's rule became the
+# default (data.class_rule=rms keeps old datasets reproducible).
+SMALL_SHA256_RMS = "fe5b3ca78bca99a0cdbc782ddfc9086f8e5337ceeae8a51cc2cd9beeb45c62fe"
 
 
 def small_cfg(tmp_path, **changes):
@@ -64,6 +67,12 @@ def test_small_dataset_layout_and_info(small):
 
 def test_recorded_checksum(small):
     assert digest(contents(small[1])) == SMALL_SHA256
+
+
+def test_the_earlier_class_rule_reproduces_its_old_datasets(tmp_path):
+    path = store.prepare(small_cfg(tmp_path, class_rule="rms"), SCALE, SEED, progress=False)
+    assert digest(contents(path)) == SMALL_SHA256_RMS
+    assert json.loads(h5py.File(path, "r").attrs["config"])["class_rule"] == "rms"  # its provenance
 
 
 def test_one_and_two_workers_give_the_same_bytes(tmp_path):
@@ -135,7 +144,8 @@ def test_crash_during_generation_leaves_nothing(tmp_path, monkeypatch):
     ({"n_categories": 0}, SCALE, "data.n_categories"),
     ({}, 0, "scale"),
     ({"variance_threshold": 0.0}, SCALE, "data.variance_threshold"),
-    ({"variance_threshold": 0.4}, SCALE, "data.variance_threshold"),
+    ({"variance_threshold": 1.0}, SCALE, "data.variance_threshold"),
+    ({"variance_threshold": 0.4, "class_rule": "rms"}, SCALE, "data.variance_threshold"),
     ({"n_categories": 1, "n_instances": 3}, SCALE, "data.n_instances"),
 ])
 def test_bad_config_fails_before_any_work(tmp_path, monkeypatch, changes, scale, key):

@@ -5,7 +5,17 @@ chosen with probability |det A_i| / sum |det A|. Its points come from the chaos 
 independent chains advance together in numpy and the first `burn_in` steps of each are dropped, which
 replaces one long serial chain by a few dozen array operations.
 
-A candidate is accepted when it is contracting on average and its point cloud is spread in 3D:
+Two acceptance rules (`data.class_rule`):
+
+`upstream` (the default: upstream ScaFFold's definition of the benchmark's classes): the cloud is finite,
+and after each axis is mean-centred and min-max scaled to a range of 2 (so [-1, 1] for a symmetric
+cloud), its variance on every axis exceeds the threshold. Our contraction test (below) stays on as a
+guard: a system with a positive Lyapunov exponent only draws a transient that grows forever, however
+spread its first points look; the search reports how many candidates the guard rejected that the rule
+alone would have accepted.
+
+`rms` (this project's earlier rule; old datasets stay reproducible with it): a candidate is accepted
+when it is contracting on average and its point cloud is spread in 3D:
 - contracting: the top Lyapunov exponent of the random matrix products (estimated by pushing unit
   vectors through random map sequences) is negative. That is the condition for the chaos game to
   converge to an attractor; a system with a positive exponent only draws a transient that grows
@@ -28,6 +38,7 @@ import numpy as np
 from .seeds import rng
 
 PARAMS_PER_MAP = 12
+RULES = ("upstream", "rms")
 LIBRARY_SEED = 0
 LIBRARY_THRESHOLD = 0.15
 SEARCH_POINTS = 4096
@@ -119,6 +130,18 @@ def is_spread(points: np.ndarray, threshold: float) -> bool:
     return unit is not None and bool((unit.var(axis=0) > threshold).all())
 
 
+def is_spread_upstream(points: np.ndarray, threshold: float) -> bool:
+    """The upstream rule: finite, bounded, and per axis, mean-centred and min-max scaled to a range of
+    2, a variance above `threshold` on every axis (at most 1: all points at the two ends)."""
+    if diverged(points):
+        return False
+    span = points.max(axis=0) - points.min(axis=0)
+    if not (span > 0).all():
+        return False
+    scaled = (points - points.mean(axis=0)) * (2.0 / span)
+    return bool((scaled.var(axis=0) > threshold).all())
+
+
 def draw_candidate(seed: int, index: int) -> np.ndarray:
     """Candidate class number `index`: 24 entries uniform in [-1, 1], rounded to DECIMALS."""
     return np.round(rng(seed, "class-candidate", index).uniform(-1.0, 1.0, size=(2, PARAMS_PER_MAP)),
@@ -130,27 +153,38 @@ def contracting(params: np.ndarray, gen: np.random.Generator) -> bool:
     return bool(np.isfinite(params).all()) and lyapunov_exponent(params, gen) < 0.0
 
 
-def accepts(params: np.ndarray, threshold: float, seed: int = LIBRARY_SEED, index: int = 0) -> bool:
+def accepts(params: np.ndarray, threshold: float, seed: int = LIBRARY_SEED, index: int = 0,
+            rule: str = "upstream", stats: dict | None = None) -> bool:
     """Whether a candidate class passes the acceptance rule (judged from seeded random streams)."""
-    if not contracting(params, rng(seed, "class-lyapunov", index)):
+    if rule == "rms":
+        if not contracting(params, rng(seed, "class-lyapunov", index)):
+            return False
+        return is_spread(chaos_game(params, SEARCH_POINTS, rng(seed, "class-test", index)), threshold)
+    if rule != "upstream":
+        raise ValueError(f"class rule {rule!r}: expected one of {', '.join(RULES)}")
+    if not is_spread_upstream(chaos_game(params, SEARCH_POINTS, rng(seed, "class-test", index)), threshold):
         return False
-    return is_spread(chaos_game(params, SEARCH_POINTS, rng(seed, "class-test", index)), threshold)
+    if not contracting(params, rng(seed, "class-lyapunov", index)):
+        if stats is not None:  # the rule alone would have taken it: the guard's doing
+            stats["guard_rejected"] = stats.get("guard_rejected", 0) + 1
+        return False
+    return True
 
 
 def search_classes(n: int, seed: int = LIBRARY_SEED, threshold: float = LIBRARY_THRESHOLD,
-                   stats: dict | None = None) -> np.ndarray:
+                   stats: dict | None = None, rule: str = "upstream") -> np.ndarray:
     """The first `n` accepted candidates, in draw order: float64 (n, 2, 12)."""
     found: list[np.ndarray] = []
+    counts: dict = {"guard_rejected": 0}
     index = 0
     while len(found) < n:
         if index >= MAX_CANDIDATES_PER_CLASS * max(n, 1):
             raise RuntimeError(f"class search: only {len(found)} of {n} classes accepted after "
-                               f"{index} candidates at variance_threshold={threshold}")
+                               f"{index} candidates at variance_threshold={threshold} (rule {rule})")
         candidate = draw_candidate(seed, index)
-        if accepts(candidate, threshold, seed, index):
+        if accepts(candidate, threshold, seed, index, rule, counts):
             found.append(candidate)
         index += 1
     if stats is not None:
-        stats["candidates"] = index
-        stats["accepted"] = len(found)
+        stats.update(counts, candidates=index, accepted=len(found), rule=rule)
     return np.array(found, dtype=np.float64).reshape(n, 2, PARAMS_PER_MAP)

@@ -1,10 +1,12 @@
 """The shipped library of fractal classes: its file format, where it is found, and the command that
 makes it.
 
-data/fractal_classes.txt (installed as package data `scaffold.library`) holds one class per line (24
-numbers, written with repr so they read back exactly) under a header saying how to regenerate it:
-`python -m scaffold.data.library --search 64 --seed 0 > data/fractal_classes.txt`. Loading tries the
-installed package data, then the source tree, and otherwise runs that same search (about a second).
+One file per acceptance rule (`data.class_rule`, see ifs.py): data/fractal_classes.txt for `upstream`
+(the default) and data/fractal_classes_rms.txt for `rms` (installed as package data `scaffold.library`).
+Each holds one class per line (24 numbers, written with repr so they read back exactly) under a header
+saying how to regenerate it, e.g. `python -m scaffold.data.library --search 64 --seed 0 --rule upstream
+> data/fractal_classes.txt`. Loading tries the installed package data, then the source tree, and
+otherwise runs that same search (a few seconds).
 """
 from __future__ import annotations
 
@@ -16,22 +18,29 @@ import sys
 import numpy as np
 
 from ..config import ConfigError
-from .ifs import LIBRARY_SEED, LIBRARY_THRESHOLD, PARAMS_PER_MAP, search_classes
+from .ifs import LIBRARY_SEED, LIBRARY_THRESHOLD, PARAMS_PER_MAP, RULES, search_classes
 
-LIBRARY_FILE = "fractal_classes.txt"
+LIBRARY_FILES = {"upstream": "fractal_classes.txt", "rms": "fractal_classes_rms.txt"}
+LIBRARY_FILE = LIBRARY_FILES["upstream"]
 LIBRARY_SIZE = 64
+# The largest per-axis variance each rule allows: upstream's scaled axes span 2 (variance at most 1);
+# the rms rule's three variances sum to 1 (no cloud passes 1/3 on all three).
+MAX_THRESHOLD = {"upstream": 1.0, "rms": 1.0 / 3.0}
 
 
-def format_library(classes: np.ndarray, seed: int, threshold: float, candidates: int) -> str:
+def format_library(classes: np.ndarray, seed: int, threshold: float, candidates: int,
+                   rule: str = "upstream", guard_rejected: int = 0) -> str:
     """The library file's text: a header saying how to regenerate it, then one class per line."""
     n = len(classes)
     lines = [
         "# scaffold fractal class library: one IFS class per line, 24 numbers =",
         "# map 0 (3x3 matrix row-major, translation), then map 1 (same layout).",
         f"# {n} classes accepted of {candidates} candidates "
-        f"(variance_threshold={threshold!r}, seed={seed}).",
+        f"(class_rule={rule}, variance_threshold={threshold!r}, seed={seed}"
+        + (f"; the contraction guard rejected {guard_rejected} the rule accepted)." if rule == "upstream"
+           else ")."),
         f"# Regenerate: python -m scaffold.data.library --search {n} --seed {seed} "
-        f"--threshold {threshold!r} > data/{LIBRARY_FILE}",
+        f"--threshold {threshold!r} --rule {rule} > data/{LIBRARY_FILES[rule]}",
     ]
     for row in np.asarray(classes, dtype=np.float64).reshape(n, -1):
         lines.append(" ".join(repr(float(v)) for v in row))
@@ -58,38 +67,41 @@ def repository_library_path() -> pathlib.Path:
     return pathlib.Path(__file__).resolve().parents[2] / "data" / LIBRARY_FILE
 
 
-def _library_text() -> str | None:
+def _library_text(rule: str = "upstream") -> str | None:
     """The shipped library's text: package data first, then the source tree; None if neither."""
+    name = LIBRARY_FILES[rule]
     try:
         from importlib.resources import files
 
-        return (files("scaffold.library") / LIBRARY_FILE).read_text(encoding="utf-8")
+        return (files("scaffold.library") / name).read_text(encoding="utf-8")
     except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError, OSError):
         pass
-    path = repository_library_path()
+    path = repository_library_path().with_name(name)
     return path.read_text(encoding="utf-8") if path.is_file() else None
 
 
-def load_library() -> np.ndarray:
-    """The shipped classes (n, 2, 12); regenerated deterministically if the file is not installed."""
-    text = _library_text()
+def load_library(rule: str = "upstream") -> np.ndarray:
+    """The shipped classes (n, 2, 12) of a rule; regenerated deterministically if the file is not
+    installed."""
+    text = _library_text(rule)
     if text is None:
-        return search_classes(LIBRARY_SIZE, LIBRARY_SEED, LIBRARY_THRESHOLD)
-    return parse_library(text)
+        return search_classes(LIBRARY_SIZE, LIBRARY_SEED, LIBRARY_THRESHOLD, rule=rule)
+    return parse_library(text, LIBRARY_FILES[rule])
 
 
-def classes_for(n_categories: int, threshold: float) -> np.ndarray:
-    """The first `n_categories` classes for a variance threshold: the shipped library at its own
-    threshold, a fresh search (same seed, same draw order) otherwise or when more are needed."""
-    if not 0.0 < threshold < 1.0 / 3.0:
-        # The three normalized variances sum to 1: no cloud exceeds 1/3 on every axis.
-        raise ConfigError(f"data.variance_threshold={threshold!r}: expected a number in (0, 1/3); "
-                          "the normalized per-axis variances sum to 1")
+def classes_for(n_categories: int, threshold: float, rule: str = "upstream") -> np.ndarray:
+    """The first `n_categories` classes for a rule and variance threshold: the shipped library at its
+    own threshold, a fresh search (same seed, same draw order) otherwise or when more are needed."""
+    if rule not in RULES:
+        raise ConfigError(f"data.class_rule={rule!r}: expected {' | '.join(RULES)}")
+    if not 0.0 < threshold < MAX_THRESHOLD[rule]:
+        raise ConfigError(f"data.variance_threshold={threshold!r}: expected a number in "
+                          f"(0, {'1' if rule == 'upstream' else '1/3'}) under class_rule={rule}")
     if threshold == LIBRARY_THRESHOLD:
-        library = load_library()
+        library = load_library(rule)
         if len(library) >= n_categories:
             return library[:n_categories]
-    return search_classes(n_categories, LIBRARY_SEED, threshold)
+    return search_classes(n_categories, LIBRARY_SEED, threshold, rule=rule)
 
 
 def classes_digest(classes: np.ndarray) -> str:
@@ -104,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="number of classes to accept")
     parser.add_argument("--seed", type=int, default=LIBRARY_SEED)
     parser.add_argument("--threshold", type=float, default=LIBRARY_THRESHOLD)
+    parser.add_argument("--rule", choices=RULES, default="upstream")
     args = parser.parse_args(argv)
-    if args.search <= 0 or not 0 < args.threshold < 1 / 3:
-        parser.error("--search must be positive and --threshold in (0, 1/3)")
+    if args.search <= 0 or not 0 < args.threshold < MAX_THRESHOLD[args.rule]:
+        parser.error("--search must be positive and --threshold in (0, the rule's maximum)")
     stats: dict = {}
-    classes = search_classes(args.search, args.seed, args.threshold, stats)
-    sys.stdout.write(format_library(classes, args.seed, args.threshold, stats["candidates"]))
+    classes = search_classes(args.search, args.seed, args.threshold, stats, rule=args.rule)
+    sys.stdout.write(format_library(classes, args.seed, args.threshold, stats["candidates"], args.rule,
+                                    stats.get("guard_rejected", 0)))
     return 0
 
 
