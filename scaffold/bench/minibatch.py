@@ -14,6 +14,7 @@ side by side in one process:
   vendor    every site forced to the vendor op (stock eager PyTorch: cuDNN + ATen, torch's default Adam)
   compiled  the vendor model under torch.compile (what a user gets from stock PyTorch + compile), with
             torch's default Adam
+  V+recompute  variant V with model.recompute=blocks (activations recomputed in the backward)
 Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with
 scaffold.bench.timing.measure (wall timer: CUDA events, one wait at the end); the table gives the median
 step time and the ratio to `vendor`.
@@ -37,6 +38,9 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
 
     cfg = Config(scale=scale)
     cfg.model.base_width = width
+    if variant.endswith("+recompute"):  # any variant with model.recompute=blocks
+        cfg.model.recompute = "blocks"
+        variant = variant[: -len("+recompute")]
     rung = "auto" if variant in ("ladder", "graphed", "triton", "cudnn") else "vendor"
     conv = {"triton": "triton", "cudnn": "vendor"}.get(variant, rung)
     cfg.ladder = LadderConfig(conv=conv, conv_transpose=conv, group_norm=rung, concat=rung, pool=rung,
@@ -119,7 +123,7 @@ def make_step(variant: str, scale: int, width: int, device: torch.device, n_clas
     else:
         optimizer = make_optimizer(model.parameters(), cfg)
     step = TrainStep(net, loss_fn, optimizer, palette, amp_dtype(cfg.precision, device), cfg.optim.grad_clip)
-    if variant == "graphed":
+    if variant.split("+")[0] == "graphed":
         if device.type != "cuda":
             raise ValueError("the graphed variant needs a CUDA device (CUDA graphs)")
         step.capture(masks[0], required=True)

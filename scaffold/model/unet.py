@@ -32,11 +32,19 @@ class UNet3d(nn.Module):
         self.outc = FastConv3d(base_width, n_classes, 1, bias=True)
         set_ladder(self, ladder)
 
+    def set_recompute(self, on: bool) -> "UNet3d":
+        """Recompute every DoubleConv's activations in the backward (model.recompute); same bits."""
+        for m in self.modules():
+            if isinstance(m, DoubleConv):
+                m.recompute = bool(on)
+        return self
+
     @classmethod
     def from_config(cls, cfg: Any, n_classes: int) -> "UNet3d":
         """From a scaffold.config.Config (or any object with the same attributes)."""
         m = cfg.model
-        return cls(cfg.scale, m.bottleneck, m.base_width, m.groups, 3, n_classes, cfg.ladder)
+        model = cls(cfg.scale, m.bottleneck, m.base_width, m.groups, 3, n_classes, cfg.ladder)
+        return model.set_recompute(getattr(m, "recompute", "off") == "blocks")
 
     def to_device(self, device: torch.device | str) -> "UNet3d":
         """Moves the model; on CUDA also to channels-last (NDHWC), the layout our kernels want."""
