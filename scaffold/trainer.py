@@ -464,11 +464,14 @@ class Trainer:
             interval = cfg.checkpoint_interval
             due = (interval > 0 and epoch % interval == 0) or is_best or p.target_epoch is not None \
                 or (cfg.epochs != -1 and epoch == cfg.epochs) or stop_signum
-            # Wall clock of the epoch, everything included, up to the checkpoint's snapshot; the write
-            # itself runs in the background during the next epoch.
+            # Wall clock of the epoch, everything included: up to here (what the checkpoint records),
+            # then the snapshot and any wait for the previous write. The write itself runs in the
+            # background during the next epoch.
             p.wall_time += time.perf_counter() - wall0
             if due and self.place.is_main:
-                self.writer.submit(self.state(), is_best)
+                t0 = time.perf_counter()
+                self.writer.submit(self.state(), is_best)  # waits for the write before it, if still going
+                p.wall_time += time.perf_counter() - t0
             if p.target_epoch is not None:
                 # The run ends here: the user waits for the last write too, so it counts.
                 t0 = time.perf_counter()

@@ -103,3 +103,27 @@ def test_a_graphed_run_resumed_from_its_checkpoint_is_bitwise(cache, tmp_path):
     assert rows == stable_rows(part / "train_stats.csv")
     assert len({r["lr"] for r in rows}) > 1  # the rate moved across the resume
     assert same_params(params(whole), params(part))
+
+
+def test_a_wait_for_the_previous_write_counts_in_the_time_to_target(cache, tmp_path, monkeypatch):
+    """The host's wait inside a checkpoint's submit (for the write before it) is the user's time too.
+    A fake clock makes each submit take 100 s without anything waiting."""
+    import time as real_time
+    import types
+
+    from scaffold import trainer as trainer_module
+
+    offset = {"s": 0.0}
+    clock = types.SimpleNamespace(perf_counter=lambda: real_time.perf_counter() + offset["s"],
+                                  process_time=real_time.process_time)
+    monkeypatch.setattr(trainer_module, "time", clock)
+    real_submit = checkpoint.Writer.submit
+
+    def slow_submit(self, state, best):
+        offset["s"] += 100.0
+        return real_submit(self, state, best)
+
+    monkeypatch.setattr(checkpoint.Writer, "submit", slow_submit)
+    result = worker.run(tiny_cfg(cache, "target_dice=0.01", "epochs=3"), tmp_path)
+    assert result["target_epoch"] == 1
+    assert result["time_to_target_s"] >= 100.0 > result["train_time_s"]
