@@ -12,6 +12,7 @@ import errno
 import importlib.resources
 import importlib.util
 import json
+import logging
 import math
 import os
 import shutil
@@ -24,10 +25,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from scaffold.config import RETIRED, Config, ConfigError, validate
 
+log = logging.getLogger("scaffold")
+
 # Keys a resumed run may change: they do not alter what has been computed so far.
 RESUME_MUTABLE = {"epochs", "target_dice", "checkpoint_interval", "progress", "profile", "device",
                   "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph", "parallel.timeout_s",
-                  "objective", "logger"}
+                  "objective", "logger", "parallel.spatial_shards"}
+# Of those, keys whose change alters the arithmetic from the resume on (said in one line).
+RESUME_NOT_BITWISE = {"parallel.spatial_shards": "sums are split over another number of slabs"}
 
 
 def conf_dir() -> str:
@@ -364,6 +369,9 @@ def resumed_config(run_dir: Path, cfg: Any, overrides: list[str]) -> Any:
             continue
         asked, had = OmegaConf.select(cfg, key), OmegaConf.select(base, key)
         if key in RESUME_MUTABLE:
+            if key in RESUME_NOT_BITWISE and asked != had:
+                log.warning("resume: %s %r -> %r: the run continues, not bitwise as it would have (%s)",
+                            key, had, asked, RESUME_NOT_BITWISE[key])
             OmegaConf.update(base, key, asked, merge=True)
         elif asked != had:
             raise ConfigError(f"resume: {key} cannot change in an existing run (it has {had!r}, "

@@ -108,6 +108,11 @@ class ParallelConfig:
     """Seconds a collective (an all-reduce, a barrier) waits for the other ranks before the job fails
     with an error instead of hanging: bounds how long the survivors of a dead rank wait. Multi-process
     runs only (torchrun / Slurm)."""
+    spatial_shards: int = 1
+    """Split each volume's depth (D) over this many ranks (a power of two; world = data-parallel ranks
+    × spatial_shards, consecutive ranks share a volume). Convolutions exchange one-voxel halos with
+    their neighbours, GroupNorm, the loss and the metrics reduce over the shard group in rank order,
+    and each rank reads only its slab of every volume. For volumes one device cannot hold."""
 
 
 @dataclass
@@ -284,6 +289,11 @@ def validate(cfg: Any) -> None:
     check_available(logger)  # a missing package fails here, before any work
     _need(_finite(cfg.parallel.timeout_s) and cfg.parallel.timeout_s > 0, "parallel.timeout_s",
           "a finite number of seconds > 0", cfg.parallel.timeout_s)
+    shards = cfg.parallel.spatial_shards
+    _need(isinstance(shards, int) and shards >= 1 and shards & (shards - 1) == 0, "parallel.spatial_shards",
+          "a power of two >= 1", shards)
+    _need(shards <= 2 ** cfg.scale, "parallel.spatial_shards",
+          f"at most {2 ** cfg.scale} (one plane of the {2 ** cfg.scale}-plane volume per rank)", shards)
     o = cfg.optim
     # Adam raises on a negative weight decay only at its first step, after the dataset is built.
     _need(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", "a finite number >= 0",

@@ -6,9 +6,10 @@ import torch
 from scaffold.loss import SegmentationLoss, check_shapes
 
 
-def hard_dice(logits: torch.Tensor, labels: torch.Tensor, n_classes: int) -> torch.Tensor:
+def hard_dice(logits: torch.Tensor, labels: torch.Tensor, n_classes: int, shards=None) -> torch.Tensor:
     """Per-sample (N,) mean over the foreground classes of the Dice of argmax(logits) against the
-    labels; a class absent from both prediction and target scores 1. Counts are exact integers."""
+    labels; a class absent from both prediction and target scores 1. Counts are exact integers;
+    with `shards` (a scaffold.spatial.ShardGroup) they are summed over the volume's slabs first."""
     check_shapes(logits, labels, n_classes)
     classes = torch.arange(1, n_classes, device=labels.device).view(1, -1, 1, 1, 1)
     pred = logits.argmax(1).unsqueeze(1) == classes
@@ -16,10 +17,15 @@ def hard_dice(logits: torch.Tensor, labels: torch.Tensor, n_classes: int) -> tor
     dims = (2, 3, 4)
     inter = (pred & target).sum(dims)
     total = pred.sum(dims) + target.sum(dims)
+    if shards is not None:
+        from scaffold.spatial import all_sum
+
+        both = all_sum(torch.stack([inter, total]), shards)
+        inter, total = both[0], both[1]
     dice = (2 * inter).double() / total.clamp(min=1).double()
     return torch.where(total > 0, dice, torch.ones_like(dice)).mean(1).float()
 
 
-def per_sample_loss(loss: SegmentationLoss, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def per_sample_loss(loss: "SegmentationLoss", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(N,) the loss of each sample on its own (its own CE normaliser and Dice)."""
     return loss.per_sample(logits, labels)

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from scaffold import checkpoint, determinism, distributed
+from scaffold import checkpoint, determinism, distributed, spatial
 from scaffold.data.loader import make_input
 from scaffold.metrics import hard_dice, per_sample_loss
 from scaffold.stats import StatsFile, load_average
@@ -198,10 +198,14 @@ class Position:
 class Trainer:
     def __init__(self, cfg: Any, model: torch.nn.Module, loss_fn: torch.nn.Module, volumes: Volumes,
                  device: torch.device, run_dir: Path, place: distributed.Place = distributed.Place(),
-                 ddp_model: Optional[torch.nn.Module] = None):
+                 ddp_model: Optional[torch.nn.Module] = None, mesh: Optional[spatial.Mesh] = None):
         self.cfg, self.model, self.loss_fn, self.vol = cfg, model, loss_fn, volumes
         self.net = ddp_model if ddp_model is not None else model  # what the step calls
         self.device, self.run_dir, self.place = device, Path(run_dir), place
+        # Data-parallel coordinates: with spatial shards, the ranks of a shard group train the same
+        # volumes (each its slab) and count as one data-parallel rank.
+        self.mesh = mesh if mesh is not None else spatial.Mesh(None, place.rank, place.world)
+        self.shards = self.mesh.shards
         self.n_classes = volumes.palette.shape[0]
         self.amp_dtype = amp_dtype(cfg.precision, device)
         self.optimizer = make_optimizer(model.parameters(), cfg)
@@ -231,8 +235,8 @@ class Trainer:
         the training set over the world size is dropped for the epoch, the tail of that epoch's
         permutation, so a different few samples sit out each epoch and none is counted twice."""
         g = torch.Generator().manual_seed(determinism.derive_seed(self.cfg.seed, "sampler", epoch))
-        n, world = self.vol.train.shape[0], self.place.world
-        order = torch.randperm(n, generator=g)[: n - n % world][self.place.rank::world]
+        n, world = self.vol.train.shape[0], self.mesh.data_world
+        order = torch.randperm(n, generator=g)[: n - n % world][self.mesh.data_rank::world]
         if self.device.type == "cuda":
             return order.pin_memory().to(self.device, non_blocking=True)
         return order
@@ -279,7 +283,8 @@ class Trainer:
         """Per-sample validation loss and hard Dice of one batch, on the device."""
         with self.train_step.autocast_context(self.device):
             logits = net(make_input(masks, self.vol.palette))
-        return per_sample_loss(self.loss_fn, logits, masks), hard_dice(logits, masks, self.n_classes)
+        return (per_sample_loss(self.loss_fn, logits, masks),
+                hard_dice(logits, masks, self.n_classes, shards=self.shards))
 
     @torch.no_grad()
     def evaluate(self) -> torch.Tensor:
@@ -292,7 +297,7 @@ class Trainer:
         model.eval()
         n, bs = self.vol.val.shape[0], self.cfg.batch_size
         out = torch.zeros(2, n, device=self.device)
-        mine = torch.arange(self.place.rank, n, self.place.world, device=self.device)
+        mine = torch.arange(self.mesh.data_rank, n, self.mesh.data_world, device=self.device)
         for i in range(0, mine.shape[0], bs):
             positions = mine[i:i + bs]
             masks = self.vol.val.index_select(0, positions)
@@ -418,12 +423,14 @@ class Trainer:
             # validation values of every sample and whether any rank was asked to stop, summed over
             # ranks in one all-reduce.
             stop = torch.full((1,), float(self.stop.signum is not None), device=self.device)
-            reduced = distributed.all_reduce_sum(
-                torch.cat([torch.stack([tr.loss, tr.dice]), stop, val.flatten()]), self.place)
+            values = torch.cat([torch.stack([tr.loss, tr.dice]), val.flatten()])
+            if self.shards is not None and not self.shards.leader:
+                values = torch.zeros_like(values)  # a shard group's values are one rank's, replicated
+            reduced = distributed.all_reduce_sum(torch.cat([values[:2], stop, values[2:]]), self.place)
             sums = torch.cat([reduced[:3], reduced[3:].view(2, -1).sum(1)])
             loss_sum, dice_sum, stops, vloss_sum, vdice_sum = sums.tolist()
             stop_signum = (self.stop.signum or signal.SIGTERM) if stops else 0
-            n_train, n_val = tr.samples * self.place.world, val.shape[1]
+            n_train, n_val = tr.samples * self.mesh.data_world, val.shape[1]
             step_ms = tr.timer.median_ms()
             self.scheduler.step()
             duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 import scaffold
-from scaffold import checkpoint, determinism, distributed, report, rundir
+from scaffold import checkpoint, determinism, distributed, report, rundir, spatial
 from scaffold.config import ConfigError, dataset_sizes, validate
 from scaffold.files import write_json
 from scaffold.stats import StatsFile, load_average
@@ -158,9 +158,16 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
         held += [lock] if lock else []
     distributed.agree(error if place.is_main else None, place)
 
+    shards = int(cfg.parallel.spatial_shards)
+    if shards > 1 and not place.joined:
+        raise ConfigError(f"parallel.spatial_shards={shards}: one process cannot split a volume; launch "
+                          f"{shards} ranks per volume (torchrun --nproc-per-node={shards} -m scaffold.train ...)")
+    mesh = spatial.make_mesh(place.rank, place.world, shards, device.type)
+    sg = mesh.shards
     n_train, _ = dataset_sizes(cfg.data)
-    if place.world > n_train:
-        raise ConfigError(f"world size {place.world}: more ranks than the {n_train} training volumes")
+    if mesh.data_world > n_train:
+        raise ConfigError(f"world size {place.world}: more data-parallel ranks ({mesh.data_world}) than the "
+                          f"{n_train} training volumes")
     state = None
     original_overrides, resumes = list(overrides or []), []
     if resume:
@@ -178,11 +185,12 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
 
     t0 = time.perf_counter()
     leader = place.local_rank == 0
-    data, error = _attempt(store.load, cfg.data, cfg.scale, cfg.seed, progress=cfg.progress and place.is_main) \
-        if leader else (None, None)
+    slab = (sg.index, sg.count) if sg is not None else None  # a sharded rank reads only its planes
+    data, error = _attempt(store.load, cfg.data, cfg.scale, cfg.seed, progress=cfg.progress and place.is_main,
+                           slab=slab) if leader else (None, None)
     distributed.agree(error, place)
     if not leader:
-        data = store.load(cfg.data, cfg.scale, cfg.seed, progress=False, repair=False)
+        data = store.load(cfg.data, cfg.scale, cfg.seed, progress=False, repair=False, slab=slab)
     path, info, train_masks, val_masks = data
     del data
     data_seconds = time.perf_counter() - t0
@@ -204,8 +212,11 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last_3d)
+    spatial.shard_model(model, sg)
     fraction = float(cfg.data.ce_weight_sample_fraction)
     counts = info.class_counts if fraction >= 1 else sampled_counts(train_masks, fraction, info.n_classes)
+    if fraction < 1 and sg is not None:  # each rank counted its slab: the volumes' counts are the sum
+        counts = spatial.all_sum(torch.from_numpy(counts).to(device), sg).cpu().numpy()
     loss_fn = SegmentationLoss(class_weights(counts), rung=cfg.ladder.loss).to(device)
     train, val = torch.from_numpy(train_masks), torch.from_numpy(val_masks)
     check_labels(train, info.n_classes)  # once per dataset, never inside the step
@@ -215,7 +226,8 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
     if place.joined:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
-    trainer = Trainer(cfg, model, loss_fn, volumes, device, run_dir, place, ddp)
+    step_loss = spatial.ShardedLoss(loss_fn, sg) if sg is not None else loss_fn
+    trainer = Trainer(cfg, model, step_loss, volumes, device, run_dir, place, ddp, mesh=mesh)
     trainer.stop = stop
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -247,6 +259,7 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
             "torch": torch.__version__,
             "device": device_name(device),
             "world_size": place.world,
+            "spatial_shards": shards,
             "dataset": str(path),
             "parameters": n_params,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

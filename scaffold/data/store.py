@@ -41,7 +41,7 @@ import pathlib
 import tempfile
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import h5py
 import numpy as np
@@ -316,18 +316,31 @@ def _first_line(err: BaseException) -> str:
     return (str(err).splitlines() or [type(err).__name__])[0]
 
 
-def load_masks(path: os.PathLike | str, split: str) -> np.ndarray:
+def load_masks(path: os.PathLike | str, split: str, slab: Optional[tuple[int, int]] = None) -> np.ndarray:
     """A whole split's masks in memory: uint8 (n, E, E, E), every volume verified. Each volume's chunk is
     read as stored, checked against its SHA-256 and inflated here, so the masks returned are exactly
-    the bytes that were checked; DatasetCorrupt (one line) names the first volume that fails."""
+    the bytes that were checked; DatasetCorrupt (one line) names the first volume that fails.
+
+    `slab` = (index, count): only planes [index·E/count, (index+1)·E/count) of every volume, (n, E/count,
+    E, E) (a rank of a spatially sharded run). The chunk is still checked whole (it is the compressed
+    stream, small next to the volume), then inflated as a stream that keeps only the slab's bytes and
+    stops after them: no whole volume is ever held in memory."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
     path = pathlib.Path(path)
     with h5py.File(path, "r") as f:
         ds = f[f"{split}/masks"]
         n, edge = ds.shape[0], ds.shape[1:]
+        plane = int(np.prod(edge[1:]))
+        first, depth = 0, edge[0]
+        if slab is not None:
+            index, count = slab
+            if count < 1 or edge[0] % count or not 0 <= index < count:
+                raise ValueError(f"slab {index} of {count}: expected a divisor of the depth {edge[0]}")
+            depth = edge[0] // count
+            first = index * depth
         hashes = [_text(h) for h in ds.attrs["sha256"]]
-        out = np.empty(ds.shape, dtype=np.uint8)
+        out = np.empty((n, depth, *edge[1:]), dtype=np.uint8)
         for i in range(n):
             try:
                 _, raw = ds.id.read_direct_chunk((i, 0, 0, 0))
@@ -335,21 +348,46 @@ def load_masks(path: os.PathLike | str, split: str) -> np.ndarray:
                 raise DatasetCorrupt(f"{path}: {split} mask {i} unreadable ({_first_line(err)})") from None
             if _sha256(raw) != hashes[i]:
                 raise DatasetCorrupt(f"{path}: {split} mask {i} fails its checksum")
-            out[i] = np.frombuffer(zlib.decompress(raw), dtype=np.uint8).reshape(edge)
+            try:
+                data = zlib.decompress(raw) if slab is None else _inflate_range(raw, first * plane, depth * plane)
+            except zlib.error as err:
+                raise DatasetCorrupt(f"{path}: {split} mask {i} does not inflate ({err})") from None
+            out[i] = np.frombuffer(data, dtype=np.uint8).reshape(out.shape[1:])
         return out
 
 
-def load(data_cfg: Any, scale: int, seed: int, progress: bool = True, repair: bool = True
-         ) -> tuple[pathlib.Path, DatasetInfo, np.ndarray, np.ndarray]:
+def _inflate_range(raw: bytes, start: int, length: int) -> bytes:
+    """Bytes [start, start + length) of a zlib stream's inflated contents, inflating no further than
+    their end and keeping nothing before their start."""
+    d = zlib.decompressobj()
+    skip, pieces, have, pending = start, [], 0, raw
+    step = 1 << 22
+    while have < length:
+        chunk = d.decompress(pending, min(step, skip) if skip else min(step, length - have))
+        pending = d.unconsumed_tail
+        if not chunk:
+            if d.eof or not pending:
+                raise zlib.error(f"stream ends before byte {start + length}")
+            continue
+        if skip:
+            skip -= len(chunk)
+            continue
+        pieces.append(chunk)
+        have += len(chunk)
+    return b"".join(pieces)
+
+
+def load(data_cfg: Any, scale: int, seed: int, progress: bool = True, repair: bool = True,
+         slab: Optional[tuple[int, int]] = None) -> tuple[pathlib.Path, DatasetInfo, np.ndarray, np.ndarray]:
     """The dataset of this config, read and verified: (path, info, train masks, validation masks).
     Damaged contents are said in one line and the file regenerated once (`repair`; only the process
-    that generates datasets repairs them), else DatasetCorrupt."""
+    that generates datasets repairs them), else DatasetCorrupt. `slab`: see load_masks."""
     path = prepare(data_cfg, scale, seed, progress)
     try:
-        return path, read_info(path), load_masks(path, "train"), load_masks(path, "val")
+        return path, read_info(path), load_masks(path, "train", slab), load_masks(path, "val", slab)
     except DatasetCorrupt as err:
         if not repair:
             raise
         reason = str(err).split(": ", 1)[-1]
     path = prepare(data_cfg, scale, seed, progress, regenerate=reason)
-    return path, read_info(path), load_masks(path, "train"), load_masks(path, "val")
+    return path, read_info(path), load_masks(path, "train", slab), load_masks(path, "val", slab)

@@ -56,7 +56,9 @@ class UNet3d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         edge = 2**self.levels
-        if x.dim() != 5 or any(s % edge for s in x.shape[2:]):
+        shards = getattr(self, "shards", None)  # a D-slab of a spatially split volume (scaffold.spatial)
+        whole = x.shape[2:] if shards is None else (x.shape[2] * shards.count, *x.shape[3:])
+        if x.dim() != 5 or any(s % edge for s in whole):
             raise ValueError(f"UNet3d input: expected (N, C, D, H, W) with D, H, W multiples of {edge}, "
                              f"got {tuple(x.shape)}")
         if self.inc.conv1.weight.is_contiguous(memory_format=torch.channels_last_3d):

@@ -1,0 +1,48 @@
+"""Run under torchrun (gloo, CPU) by tests/test_spatial.py: one forward and backward of the U-Net and
+its loss on a batch of volumes split over the shard group; rank 0 saves the whole-volume output
+(gathered), the loss and every parameter gradient for the test to compare with one process."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int) -> None:
+    from scaffold.loss import SegmentationLoss
+    from scaffold.metrics import hard_dice
+    from scaffold.model.unet import UNet3d
+    from scaffold.spatial import ShardedLoss, all_sum, make_mesh, shard_model
+    from tests.spatial_case import case
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = make_mesh(rank, world, shards, "cpu")
+    sg = mesh.shards
+    model, loss_fn, x, labels = case(scale, bottleneck=bottleneck)
+    shard_model(model, sg)
+    lo, hi = sg.slab(x.shape[2])
+    sharded_loss = ShardedLoss(loss_fn, sg)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(x[:, :, lo:hi].contiguous())
+    loss, ce, dice = sharded_loss.terms(logits.float(), labels[:, lo:hi].contiguous())
+    loss.backward()
+    with torch.no_grad():
+        per_sample = sharded_loss.per_sample(logits.float(), labels[:, lo:hi].contiguous())
+        hd = hard_dice(logits.float(), labels[:, lo:hi].contiguous(), loss_fn.n_classes, shards=sg)
+    # What DDP does over the world: the mean of the ranks' gradients (here in rank order).
+    grads = {n: all_sum(p.grad, sg) / sg.count for n, p in model.named_parameters()}
+    parts = [torch.empty_like(logits) for _ in range(sg.count)]
+    dist.all_gather(parts, logits.detach().contiguous(), group=sg.group)
+    if rank == 0:
+        torch.save({"logits": torch.cat(parts, 2), "loss": loss.detach(), "ce": ce.detach(),
+                    "dice": dice.detach(), "per_sample": per_sample, "hard_dice": hd,
+                    "grads": grads}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "bf16", int(sys.argv[5]))

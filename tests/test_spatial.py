@@ -1,0 +1,195 @@
+"""Spatial parallelism (parallel.spatial_shards) on the CPU over gloo: the sharded step against one
+process, bitwise repeatability, sharded training runs, composition with data parallelism, slab reads
+and the configuration errors. Every launch is bounded (a hang fails the test)."""
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import REPO, TINY, cli, params, same_params, stable_rows
+from scaffold.stats import read_rows
+
+LAUNCH_TIMEOUT = 240
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("-m", "scaffold.train")
+             ) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={_port()}", *entry, *args]
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "1", "HOME": str(cwd)}
+    try:
+        done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun with {nproc} ranks did not finish in {LAUNCH_TIMEOUT} s:\n{str(e.stderr)[-3000:]}")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+# ------------------------------------------------------------------------------------------ the step
+
+@pytest.mark.parametrize("scale, bottleneck, shards", [(4, 2, 2), (4, 2, 4), (3, 1, 4)])
+def test_a_sharded_step_matches_one_process(scale, bottleneck, shards, tmp_path):
+    """Forward output, loss, per-sample losses, hard Dice and every parameter gradient of a step whose
+    volumes are split over 2 or 4 ranks, against the same step in one process (fp32, batch 2).
+    (3, 1, 4): one plane per rank at level 1 and a bottleneck of 2 planes, which runs whole on every
+    rank (gathered, then cut back). Bound: 1e-4 absolute on the logits and 1e-4 of each gradient's
+    largest magnitude (summation order differs, nothing else); the hard Dice's counts are exact."""
+    from spatial_case import case
+
+    from scaffold.metrics import hard_dice
+
+    out = tmp_path / "sharded.pt"
+    torchrun(shards, [str(out), str(scale), str(shards), "fp32", str(bottleneck)], tmp_path,
+             entry=(str(REPO / "tests" / "spatial_worker.py"),))
+    got = torch.load(out)
+    model, loss_fn, x, labels = case(scale, bottleneck=bottleneck)
+    logits = model(x)
+    loss = loss_fn._eager(logits, labels)[0]
+    loss.backward()
+    assert (got["logits"] - logits).abs().max().item() < 1e-4
+    assert math.isclose(got["loss"].item(), loss.item(), rel_tol=1e-5)
+    assert torch.allclose(got["per_sample"], loss_fn.per_sample(logits, labels), rtol=1e-5, atol=1e-6)
+    assert torch.equal(got["hard_dice"], hard_dice(logits.detach(), labels, loss_fn.n_classes))
+    for name, p in model.named_parameters():
+        scale = p.grad.abs().max().item()
+        err = (got["grads"][name] - p.grad).abs().max().item()
+        assert err <= 1e-4 * scale, f"{name}: gradient off by {err:.3g} (largest {scale:.3g})"
+
+
+def test_halo_sends_each_neighbour_its_plane_and_returns_the_gradients(tmp_path):
+    """The halo's forward and backward alone, 3 ranks: the planes each rank receives and the gradient
+    each rank gets back (its own plus what its neighbours' halos received)."""
+    out = tmp_path / "halo"
+    out.mkdir()
+    torchrun(3, [str(out)], tmp_path, entry=(str(REPO / "tests" / "spatial_halo_worker.py"),))
+    for rank in range(3):
+        got = torch.load(out / f"{rank}.pt")
+        x = torch.arange(3 * 2, dtype=torch.float32).view(1, 1, 6, 1, 1) + 1  # the whole volume's planes
+        whole = torch.cat([torch.zeros(1, 1, 1, 1, 1), x, torch.zeros(1, 1, 1, 1, 1)], 2)
+        assert torch.equal(got["padded"], whole[:, :, 2 * rank:2 * rank + 4])
+        # rank r's loss is sum(padded * (arange(4) + 10 r)): each plane's gradient is the sum of the
+        # weights of every padded copy of it, on whichever rank holds that copy
+        expect = torch.zeros(8)
+        for r in range(3):
+            expect[2 * r:2 * r + 4] += torch.arange(4, dtype=torch.float32) + 10 * r
+        assert torch.equal(got["grad"].flatten(), expect[1 + 2 * rank:3 + 2 * rank])
+
+
+# ------------------------------------------------------------------------------------- whole runs
+
+def _run(nproc: int, cache: Path, tmp: Path, name: str, *extra: str) -> Path:
+    run_dir = tmp / name
+    torchrun(nproc, [*TINY, "epochs=2", f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}", *extra], tmp)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_two_sharded_runs_are_bitwise_identical_and_close_to_one_process(cache, tmp_path):
+    a = _run(2, cache, tmp_path, "a", "parallel.spatial_shards=2")
+    b = _run(2, cache, tmp_path, "b", "parallel.spatial_shards=2")
+    assert len(read_rows(a / "train_stats.csv")) == 2
+    assert stable_rows(a / "train_stats.csv") == stable_rows(b / "train_stats.csv")
+    assert same_params(params(a), params(b))
+    record = json.loads((a / "run.json").read_text())
+    assert record["spatial_shards"] == 2 and record["world_size"] == 2
+    # One process trains the same volumes in the same order: the same trajectory up to rounding.
+    one = tmp_path / "one"
+    done = cli(*TINY, "epochs=2", f"data.cache_dir={cache}", f"hydra.run.dir={one}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for sharded, single in zip(read_rows(a / "train_stats.csv"), read_rows(one / "train_stats.csv")):
+        for key in ("overall_loss", "val_loss_avg", "train_dice", "val_dice"):
+            assert math.isclose(float(sharded[key]), float(single[key]), rel_tol=1e-4, abs_tol=1e-6), key
+        assert sharded["optimizer_steps"] == single["optimizer_steps"]
+
+
+def test_sharding_composes_with_data_parallelism(cache, tmp_path):
+    """4 ranks = 2 data-parallel × 2 spatial: every epoch splits the training volumes over 2, and the
+    whole validation set is counted once."""
+    run = _run(4, cache, tmp_path, "dp", "parallel.spatial_shards=2", "data.n_instances=12")
+    rows = read_rows(run / "train_stats.csv")
+    n_train = 7  # 12 instances x 2 classes / 3 per volume = 8 volumes: 7 train + 1 validation
+    assert [int(r["optimizer_steps"]) for r in rows] == [n_train // 2] * 2
+    assert all(math.isfinite(float(r["val_loss_avg"])) for r in rows)
+
+
+def test_resume_at_another_shard_count_continues_and_says_it_is_not_bitwise(cache, tmp_path):
+    run = _run(2, cache, tmp_path, "r", "parallel.spatial_shards=2")
+    done = cli(*TINY, "epochs=3", f"data.cache_dir={cache}", f"resume={run}", "parallel.spatial_shards=1",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "parallel.spatial_shards 2 -> 1" in said and "not bitwise" in said
+    assert len(read_rows(run / "train_stats.csv")) == 3
+
+
+# ------------------------------------------------------------------------------------ data and config
+
+def test_a_slab_read_is_the_slab_of_the_whole_volume(cache):
+    from helpers import tiny_cfg
+
+    from scaffold.data import store
+
+    cfg = tiny_cfg(cache)
+    path = store.prepare(cfg.data, cfg.scale, cfg.seed, progress=False)
+    whole = store.load_masks(path, "train")
+    for count in (2, 4):
+        per = whole.shape[1] // count
+        for index in range(count):
+            slab = store.load_masks(path, "train", (index, count))
+            assert np.array_equal(slab, whole[:, index * per:(index + 1) * per])
+    with pytest.raises(ValueError, match="divisor of the depth"):
+        store.load_masks(path, "train", (0, 3))
+
+
+def test_a_slab_inflates_only_up_to_its_end():
+    """The streamed inflate gives the same bytes as inflating everything, and stops early: a stream
+    cut right after the slab's bytes still yields the slab (so the rest was never inflated)."""
+    import zlib
+
+    from scaffold.data.store import _inflate_range
+
+    data = (np.random.default_rng(0).random(32**3) < 0.05).astype(np.uint8).tobytes()
+    raw = zlib.compress(data, 6)
+    plane = 32 * 32
+    for first, depth in ((0, 8), (8, 8), (24, 8), (0, 32)):
+        assert _inflate_range(raw, first * plane, depth * plane) == data[first * plane:(first + depth) * plane]
+    cut = zlib.compressobj(6)
+    head = cut.compress(data[:8 * plane]) + cut.flush(zlib.Z_SYNC_FLUSH)  # no end of stream
+    assert _inflate_range(head, 0, 8 * plane) == data[:8 * plane]
+
+
+@pytest.mark.parametrize("value, says", [
+    ("3", "parallel.spatial_shards=3: expected a power of two >= 1"),
+    ("16", "parallel.spatial_shards=16: expected at most 8"),
+])
+def test_bad_shard_counts_are_one_line(value, says, tmp_path):
+    done = cli(*TINY, f"parallel.spatial_shards={value}", f"data.cache_dir={tmp_path}", cwd=tmp_path)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.strip().splitlines() if line]
+    assert says in lines[-1] and "Traceback" not in done.stderr
+
+
+def test_one_process_cannot_shard_and_says_how_to_launch(tmp_path):
+    done = cli(*TINY, "parallel.spatial_shards=2", f"data.cache_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'x'}",
+               cwd=tmp_path)
+    assert done.returncode != 0 and "torchrun --nproc-per-node=2" in done.stderr
+    assert "Traceback" not in done.stderr
