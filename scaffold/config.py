@@ -148,6 +148,10 @@ class Config:
     """auto (on one CUDA device in one process, capture the step's forward, loss and backward once as a
     CUDA graph and replay it: the same bits as eager, without the host's per-kernel launch cost) | on
     (the same, and an error where it cannot run) | off (eager steps)."""
+    data_placement: str = "auto"
+    """Where the dataset's masks live during training: auto (on the device when they take at most a
+    tenth of its memory, else host) | device (indexed there: no copy per step) | host (pinned host
+    memory; each step copies its volumes over asynchronously, without waiting for the device)."""
     checkpoint_interval: int = 1
     """Write the `last` checkpoint every this many epochs (0 = never; `best` is always kept)."""
     warmup_steps: int = 2
@@ -174,6 +178,7 @@ class Config:
 DETERMINISM_MODES = ("default", "strict", "off")
 PRECISIONS = ("auto", "bf16", "fp32")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
+DATA_PLACEMENTS = ("auto", "device", "host")
 # objective -> the direction a sweeper optimizes it in (conf/hparams_search/ reads it through the
 # `scaffold.direction` resolver, so choosing an objective cannot leave the sweeper going the wrong way).
 OBJECTIVES = {"best_val_loss": "minimize", "best_val_dice": "maximize", "final_val_dice": "maximize",
@@ -256,6 +261,7 @@ def validate(cfg: Any) -> None:
     _need(cfg.epochs == -1 or cfg.epochs > 0, "epochs", "a positive integer or -1 (until converged)",
           cfg.epochs)
     _need(cfg.batch_size > 0, "batch_size", "a positive integer", cfg.batch_size)
+    _need(cfg.data_placement in DATA_PLACEMENTS, "data_placement", " | ".join(DATA_PLACEMENTS), cfg.data_placement)
     _need(_finite(cfg.lr) and 0 < cfg.lr <= MAX_LR, "lr", f"a number in (0, {MAX_LR:g}]", cfg.lr)
     _need(0 < cfg.target_dice <= 1, "target_dice", "a number in (0, 1]", cfg.target_dice)
     _need(cfg.determinism in DETERMINISM_MODES, "determinism", " | ".join(DETERMINISM_MODES),

@@ -1,7 +1,8 @@
 """The training loop, read top to bottom: step, epoch, evaluation, statistics, checkpoints.
 
 Why it looks the way it does:
-- A step never blocks the host. Volumes already sit on the device as uint8 masks; the batch order for an
+- A step never blocks the host. Volumes already sit on the device as uint8 masks (or, when they would
+  crowd it, in pinned host memory, each step's volumes copied over without waiting); the batch order for an
   epoch travels to the device once (pinned, non-blocking); the input is built on the device as
   palette[mask]; losses, Dice sums and step timings (CUDA events) stay on the device and are read once, at
   the end of the epoch. `torch.cuda.set_sync_debug_mode("error")` around an epoch proves it.
@@ -100,11 +101,28 @@ class Progress:
 
 @dataclass
 class Volumes:
-    """What the loop trains on, already on the device."""
+    """What the loop trains on: the masks on the device, or in pinned host memory when the device
+    cannot hold them beside the step (`data_placement`; then each step copies its volumes over
+    asynchronously, without waiting for the device); the palette on the device."""
 
     train: torch.Tensor  # uint8 (n_train, E, E, E)
     val: torch.Tensor  # uint8 (n_val, E, E, E)
     palette: torch.Tensor  # float32 (classes, 3)
+
+    @property
+    def on_host(self) -> bool:
+        return self.train.device != self.palette.device
+
+    def take(self, masks: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of `masks` (a split) on the device. Host masks: `index` is a CPU tensor, and
+        each row is a view of pinned memory copied with non_blocking (the host never waits)."""
+        if not self.on_host:
+            return masks.index_select(0, index)
+        rows = [masks[j:j + 1].to(self.palette.device, non_blocking=True) for j in index.tolist()]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def first(self, masks: torch.Tensor, n: int) -> torch.Tensor:
+        return masks[:n].to(self.palette.device, non_blocking=True)
 
 
 class StepTimer:
@@ -237,7 +255,7 @@ class Trainer:
         g = torch.Generator().manual_seed(determinism.derive_seed(self.cfg.seed, "sampler", epoch))
         n, world = self.vol.train.shape[0], self.mesh.data_world
         order = torch.randperm(n, generator=g)[: n - n % world][self.mesh.data_rank::world]
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.vol.on_host:
             return order.pin_memory().to(self.device, non_blocking=True)
         return order
 
@@ -262,7 +280,7 @@ class Trainer:
             if self.stop.signum is not None and self.place.world == 1:
                 bar.close()
                 return EpochSums(loss_sum, dice_sum, i, steps, timer, done=False)
-            masks = self.vol.train.index_select(0, order[i:i + bs])
+            masks = self.vol.take(self.vol.train, order[i:i + bs])
             begun = timer.start()
             loss, dice = self.step(masks)
             timer.stop(begun)
@@ -298,9 +316,10 @@ class Trainer:
         n, bs = self.vol.val.shape[0], self.cfg.batch_size
         out = torch.zeros(2, n, device=self.device)
         mine = torch.arange(self.mesh.data_rank, n, self.mesh.data_world, device=self.device)
+        host = torch.arange(self.mesh.data_rank, n, self.mesh.data_world) if self.vol.on_host else mine
         for i in range(0, mine.shape[0], bs):
             positions = mine[i:i + bs]
-            masks = self.vol.val.index_select(0, positions)
+            masks = self.vol.take(self.vol.val, host[i:i + bs])
             if self.eval_graph is not None and self.eval_graph.fits(masks):
                 loss, dice = self.eval_graph.run(masks)
             else:
@@ -320,10 +339,10 @@ class Trainer:
         rng = determinism.rng_state()
         net = copy.deepcopy(self.model)
         step = self._train_step(net, make_optimizer(net.parameters(), self.cfg))
-        masks = self.vol.train[: self.cfg.batch_size]
+        masks = self.vol.first(self.vol.train, self.cfg.batch_size)
         for _ in range(steps):
             step(masks)
-        self.eval_batch(net, self.vol.val[: self.cfg.batch_size])
+        self.eval_batch(net, self.vol.first(self.vol.val, self.cfg.batch_size))
         del net, step
         determinism.set_rng_state(rng)
         if self.device.type == "cuda":
@@ -334,12 +353,12 @@ class Trainer:
         """Captures the real step, and the evaluation of one batch, as CUDA graphs (see scaffold.step);
         returns the seconds it took."""
         t0 = time.perf_counter()
-        self.train_step.capture(self.vol.train[: self.cfg.batch_size], required)
+        self.train_step.capture(self.vol.first(self.vol.train, self.cfg.batch_size), required)
         if self.train_step.graph is not None:
             self.model.eval()
             try:
                 self.eval_graph = EvalGraph(lambda m: self.eval_batch(self.model, m),
-                                            self.vol.val[: self.cfg.batch_size])
+                                            self.vol.first(self.vol.val, self.cfg.batch_size))
             except Exception as e:  # noqa: BLE001 - evaluation then runs eagerly, same bits
                 if required:
                     raise

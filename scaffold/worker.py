@@ -61,6 +61,20 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def place_masks(setting: str, train: torch.Tensor, val: torch.Tensor, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masks where `data_placement` puts them: the device, or pinned host memory (CUDA only)."""
+    host = False
+    if device.type == "cuda" and setting != "device":
+        total = torch.cuda.get_device_properties(device).total_memory
+        host = setting == "host" or (train.numel() + val.numel()) > total // 10
+    if host:
+        log.info("dataset masks in pinned host memory (%.1f GiB; data_placement=%s): each step copies its "
+                 "volumes to the device asynchronously", (train.numel() + val.numel()) / 2**30, setting)
+        return train.pin_memory(), val.pin_memory()
+    return train.to(device), val.to(device)
+
+
 def check_writable(run_dir: Path) -> None:
     """The run directory exists and takes a new file (a probe under a name unique to this process)."""
     try:
@@ -221,7 +235,8 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
     train, val = torch.from_numpy(train_masks), torch.from_numpy(val_masks)
     check_labels(train, info.n_classes)  # once per dataset, never inside the step
     check_labels(val, info.n_classes)
-    volumes = Volumes(train.to(device), val.to(device), torch.from_numpy(info.palette).to(device))
+    volumes = Volumes(*place_masks(cfg.data_placement, train, val, device),
+                      torch.from_numpy(info.palette).to(device))
     ddp = None
     if place.joined:
         ddp = torch.nn.parallel.DistributedDataParallel(
