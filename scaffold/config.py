@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -66,9 +67,12 @@ class ModelConfig:
     """Channels after the stem; doubles at every level."""
     groups: int = 8
     """GroupNorm groups; must divide every width."""
-    recompute: str = "off"
-    """off | blocks: recompute each DoubleConv's activations in the backward instead of keeping them
-    (torch.utils.checkpoint, non-reentrant): the same bits, less activation memory, more compute."""
+    recompute: str = "auto"
+    """Activation recompute, trading compute for memory with the same bits: off (keep every activation
+    for the backward) | blocks (keep only each block's inputs and recompute the rest in the backward:
+    about two thirds of the peak, for 1.3x the step time at scale 8) | auto (blocks only where the
+    memory model, scaffold/model/memory.py, says the run would not fit in the device's free memory;
+    never on the CPU). A start-up line gives the prediction and the choice."""
 
 
 @dataclass
@@ -178,6 +182,7 @@ class Config:
 DETERMINISM_MODES = ("default", "strict", "off")
 PRECISIONS = ("auto", "bf16", "fp32")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
+RECOMPUTE_MODES = ("auto", "off", "blocks")
 DATA_PLACEMENTS = ("auto", "device", "host")
 # objective -> the direction a sweeper optimizes it in (conf/hparams_search/ reads it through the
 # `scaffold.direction` resolver, so choosing an objective cannot leave the sweeper going the wrong way).
@@ -202,7 +207,11 @@ MAX_LR = 10.0
 def validate_data(data: Any, scale: int) -> None:
     """Checks of what defines a dataset (shared by the trainer and `python -m scaffold.data`)."""
     _need(isinstance(scale, int) and scale > 0, "scale", "a positive integer", scale)
-    _need(scale <= 10, "scale", "at most 10 (1024³ volumes)", scale)
+    # Whether a scale trains on its devices is the memory model's call (`validate`); here only that one
+    # volume of masks, which a data worker renders whole, fits in this host's memory.
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    _need(8**scale <= ram, "scale", f"a volume that fits in this host's {ram / 2**30:.0f} GiB of memory "
+          f"(one volume of masks is {8**scale / 2**30:.0f} GiB)", scale)
     _need(data.n_categories > 0, "data.n_categories", "a positive integer", data.n_categories)
     _need(data.fractals_per_volume > 0, "data.fractals_per_volume", "a positive integer",
           data.fractals_per_volume)
@@ -256,8 +265,8 @@ def validate(cfg: Any) -> None:
     validate_data(cfg.data, cfg.scale)
     m = cfg.model
     check_model(cfg.scale, m.bottleneck, m.base_width, m.groups)
-    _need(getattr(m, "recompute", "off") in ("off", "blocks"), "model.recompute", "off | blocks",
-          getattr(m, "recompute", "off"))
+    _need(getattr(m, "recompute", "auto") in RECOMPUTE_MODES, "model.recompute", " | ".join(RECOMPUTE_MODES),
+          getattr(m, "recompute", "auto"))
     _need(cfg.epochs == -1 or cfg.epochs > 0, "epochs", "a positive integer or -1 (until converged)",
           cfg.epochs)
     _need(cfg.batch_size > 0, "batch_size", "a positive integer", cfg.batch_size)
@@ -310,6 +319,11 @@ def validate(cfg: Any) -> None:
     _need(o.t_mult >= 1, "optim.t_mult", "an integer >= 1", o.t_mult)
     _need(_finite(o.eta_min) and 0 <= o.eta_min <= cfg.lr, "optim.eta_min",
           f"a number in [0, lr] (lr={cfg.lr!r})", o.eta_min)
+    # Last: the memory model reads the checked shape, precision, batch, placement and shard keys. A scale
+    # that cannot fit on its device even with recompute fails here, before any data or model exists.
+    from scaffold.model.memory import check_scale
+
+    check_scale(cfg)
 
 
 def register() -> None:

@@ -296,6 +296,12 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
     model_seconds = time.perf_counter() - t_model
     log.info("model: UNet3d scale %d, %s parameters, on %s (%s, determinism=%s)", cfg.scale,
              f"{n_params:,}", device, "bf16 autocast" if trainer.amp_dtype else "fp32", cfg.determinism)
+    if use_graph and cfg.cuda_graph == "auto":
+        from scaffold.model.memory import graph_plan
+
+        use_graph, line = graph_plan(cfg, device, info.n_classes, getattr(model, "recompute", "off"))
+        if not use_graph:
+            log.info("%s", line)
     warm = trainer.warmup(cfg.warmup_steps)
     if cfg.warmup_steps:
         log.info("warm-up: %d untimed steps on a copy of the model, %.1f s", cfg.warmup_steps, warm)

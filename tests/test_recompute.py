@@ -48,11 +48,17 @@ def test_recompute_is_a_config_key(tmp_path):
     from scaffold.config import ConfigError, validate
     from scaffold.model.blocks import DoubleConv
 
-    cfg = tiny_cfg(tmp_path, "model.recompute=blocks")
+    cfg = tiny_cfg(tmp_path, "model.recompute=blocks", "scale=5", "model.bottleneck=2")
     model = UNet3d.from_config(cfg, 3)
-    assert all(m.recompute for m in model.modules() if isinstance(m, DoubleConv))
+    # The layout: stem and Down blocks whole, Up levels below full resolution whole, the full-resolution
+    # Up's DoubleConv one conv + norm at a time.
+    assert model.inc.recompute == "block" and all(d.conv.recompute == "block" for d in model.downs)
+    assert all(u.recompute and u.conv.recompute == "" for u in model.ups[:-1])
+    assert not model.ups[-1].recompute and model.ups[-1].conv.recompute == "convs"
+    off = UNet3d.from_config(tiny_cfg(tmp_path, "model.recompute=off"), 3)
+    assert not any(m.recompute for m in off.modules() if isinstance(m, DoubleConv))
     cfg = tiny_cfg(tmp_path, "model.recompute=everything")
-    with pytest.raises(ConfigError, match=r"^model.recompute='everything': expected off \| blocks$"):
+    with pytest.raises(ConfigError, match=r"^model.recompute='everything': expected auto \| off \| blocks$"):
         validate(cfg)
 
 

@@ -38,6 +38,7 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
 
     cfg = Config(scale=scale)
     cfg.model.base_width = width
+    cfg.model.recompute = "off"  # what each variant measures does not depend on the device's memory
     if variant.endswith("+recompute"):  # any variant with model.recompute=blocks
         cfg.model.recompute = "blocks"
         variant = variant[: -len("+recompute")]

@@ -4,9 +4,9 @@ DoubleConv = (3×3×3 conv, padding 1, no bias → GroupNorm → ReLU) × 2; the
 GroupNorm module (`relu=True`), so the parameters and state-dict keys (`conv1`, `norm1`, `conv2`,
 `norm2`) are exactly those of the same block built from nn.Conv3d, nn.GroupNorm and nn.ReLU.
 Down = 2×2×2 max pool (deterministic backward) + DoubleConv doubling the width.
-With `recompute` set, a DoubleConv keeps only its input for the backward and runs its forward again
-there (torch.utils.checkpoint, non-reentrant): the same kernels on the same input, so the same bits,
-for a fraction of the activation memory.
+With recompute set (UNet3d.set_recompute), a DoubleConv (or a whole Up level) keeps only its inputs for
+the backward and runs its forward again there (torch.utils.checkpoint, non-reentrant): the same kernels
+on the same inputs under the same autocast state, so the same bits, for a fraction of the memory.
 Up = 2×2×2 transposed conv halving the width + concat [skip, up] + DoubleConv halving the width.
 """
 from __future__ import annotations
@@ -18,30 +18,51 @@ from scaffold.model.ladder import (FastConcat, FastConv3d, FastConvTranspose3d, 
                                    FastMaxPool2)
 
 
+def recomputed(fn, *args: torch.Tensor) -> torch.Tensor:
+    """fn(*args) whose saved tensors are recomputed in the backward instead of kept.
+
+    No random op runs in these blocks, so no RNG state is stashed (stashing reads the CUDA generator,
+    which a CUDA-graph capture forbids). The recompute runs the whole segment rather than stopping
+    once the tensors it needs exist: the early stop raises from inside the last op that saves a
+    tensor, which trips an assertion in the captured step (and a ladder site would take it for a
+    failed kernel); every segment here ends with a GroupNorm, which saves, so it would save nothing."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+# DoubleConv.recompute values: keep everything, recompute the block as one, or each conv + norm alone
+# (the full-resolution decoder block: recomputed whole it would hold its four full-size inner tensors at
+# once at the top of the backward, the step's peak; see scaffold.model.memory).
+KEEP, BLOCK, CONVS = "", "block", "convs"
+
+
 class DoubleConv(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, groups: int):
         super().__init__()
-        self.recompute = False
+        self.recompute = KEEP  # a plain attribute: outside the state dict
         self.conv1 = FastConv3d(in_channels, out_channels, 3, padding=1, bias=False)
         # Every consumer of these norms computes in the autocast dtype: see FastGroupNorm.autocast_output.
         self.norm1 = FastGroupNorm(groups, out_channels, relu=True, autocast_output=True)
         self.conv2 = FastConv3d(out_channels, out_channels, 3, padding=1, bias=False)
         self.norm2 = FastGroupNorm(groups, out_channels, relu=True, autocast_output=True)
 
+    def _first(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm1(self.conv1(x))
+
+    def _second(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm2(self.conv2(h))
+
+    def _both(self, x: torch.Tensor) -> torch.Tensor:
+        return self._second(self._first(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
-
-            # No random op in the block, so no RNG state to stash (stashing reads the CUDA generator,
-            # which a CUDA-graph capture forbids). The recompute runs the whole block rather than
-            # stopping once the tensors it needs exist: the early stop trips an internal assertion in
-            # the captured step.
-            with set_checkpoint_early_stop(False):
-                return checkpoint(self._forward, x, use_reentrant=False, preserve_rng_state=False)
-        return self._forward(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm2(self.conv2(self.norm1(self.conv1(x))))
+        if self.recompute == KEEP or not torch.is_grad_enabled():  # evaluation saves nothing anyway
+            return self._both(x)
+        if self.recompute == BLOCK:
+            return recomputed(self._both, x)
+        return recomputed(self._second, recomputed(self._first, x))
 
 
 class Down(nn.Module):
@@ -61,6 +82,14 @@ class Up(nn.Module):
         self.up = FastConvTranspose3d(in_channels, half, kernel_size=2, stride=2, bias=True)
         self.concat = FastConcat()
         self.conv = DoubleConv(in_channels, half, groups)
+        # Recompute the whole level (transposed conv, concat, DoubleConv): it then keeps its two inputs
+        # instead of the concat, which is as large as both.
+        self.recompute = False
+
+    def _level(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.concat(skip, self.up(x)))
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-        return self.conv(self.concat(skip, self.up(x)))
+        if self.recompute and torch.is_grad_enabled():
+            return recomputed(self._level, x, skip)
+        return self._level(x, skip)

@@ -1,0 +1,683 @@
+"""The training step's memory, predicted from the model's shapes: what `model.recompute=auto` and the
+scale check in `scaffold.config.validate` decide by.
+
+The step is written down as the list of operations the U-Net runs (convolutions, GroupNorm+ReLU, pool,
+transposed conv, concat, the loss head), each with the bytes of the tensors it creates and of those its
+backward keeps (autograd's saved tensors, under bf16 autocast or fp32, for the rungs that run it). A
+walk over that list, forward then backward, as autograd frees and allocates, gives the peak:
+
+    peak = parameters (4 B each) + Adam state (8 B) + data kept on the device
+         + max over the step of (live activations + gradients in flight + parameter gradients so far)
+
+What the backward keeps, per element of a level-l tensor with w_l channels (a = 2 bytes under bf16
+autocast, 4 in fp32), on the CUDA ladder (our Triton GroupNorm keeps its input only and recomputes the
+ReLU; the pool keeps a uint8 index; the concat keeps nothing):
+    stem and encoder levels: conv inputs (a), GroupNorm inputs (a) - 4 tensors per DoubleConv (the pool
+        output at half width, conv1 out, norm1 out, conv2 out) plus the pool's 1-byte index
+    decoder levels: the concat (2 w_l channels) + conv1 out + norm1 out + conv2 out, and the block's
+        output, which the next transposed conv (or the 1x1x1 head) keeps
+so with U = N·D·H·W·w_0 bytes (level 0, bf16) the kept activations are about
+    off:    18 U at level 0 + 19.5 U/4^l per deeper level  ≈ 24.5 U
+    blocks: 6 U at level 0 (the concat and the output) + 7.5 U/4^l deeper  ≈ 8.5 U
+    (each DoubleConv keeps only its input; its four inner tensors are recomputed in the backward, so
+    the backward of the full-resolution decoder block holds them again, 8 U, at its peak)
+plus bf16 copies of the conv weights (2 B per parameter, off only). At scale 8 (U = 1 GiB, 361 M
+parameters) that is the measured 29 GiB of the graphed step; at scale 9 (U = 8 GiB) about 220 GiB.
+
+Three other things hold memory: a CUDA graph keeps its pool (the step's activation peak) reserved
+between replays, so what runs outside the graph (Adam's temporaries, the evaluation forward) comes on
+top; the trainer keeps every mask of the dataset on the device; and its warm-up runs on a copy of the
+model. `Estimate.need` counts them; `Estimate.max_allocated` is what torch.cuda.max_memory_allocated
+reports for the step alone (the step benchmark's number).
+
+Calibration: tests/test_memory.py counts the bytes autograd saves in a real forward
+(torch.autograd.graph.saved_tensors_hooks, deduplicated by storage) at scales 3-6 on the CPU and on
+the Triton interpreter, and checks this model's count against them; `python -m scaffold.bench.memory`
+compares the prediction with the measured peak on the GPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+GiB = 1 << 30
+RECOMPUTE_MODES = ("off", "blocks")
+# Share of the free memory a plan may use: the caching allocator rounds blocks up and fragments, and a
+# few kernels (cuDNN's directions of the routed convs) take workspace this model does not list.
+HEADROOM = 0.90
+# The model's stated accuracy: the scale check rejects a config only when even the prediction minus
+# this share exceeds the device, so an estimate that errs high never blocks a run that would fit.
+TOLERANCE = 0.15
+# Triton's backward-weight split-K partials are capped at this many bytes (scaffold.kernels.lib.splits).
+SPLIT_PARTIALS_CAP = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the memory of one training step depends on."""
+
+    scale: int
+    bottleneck: int = 3
+    base_width: int = 64
+    groups: int = 8
+    in_channels: int = 3
+    n_classes: int = 6
+    batch: int = 1
+    amp: bool = True  # bf16 autocast (2-byte activations); False: fp32
+    device: str = "cuda"  # "cuda" | "cpu": which ops autocast upcasts (GroupNorm on CUDA only)
+    fused: bool = True  # our Triton rungs for GroupNorm, pool, concat and loss; False: torch's ops
+    recompute: str = "off"  # "off" | "blocks"
+    graph: bool = False  # the step captured as a CUDA graph
+    data_bytes: int = 0  # masks kept on the device beside the step (the trainer keeps the dataset)
+    data_parallel: bool = False  # under DDP, whose gradient buckets hold a second copy of the gradients
+    depth_shards: int = 1  # D split over this many devices, each holding 1/shards of every volume and
+    # of the activations (halos neglected), and all the parameters
+
+    @property
+    def levels(self) -> int:
+        return self.scale - self.bottleneck
+
+    def voxels(self, level: int) -> int:
+        edge = 2 ** (self.scale - level)
+        return self.batch * edge**3 // self.depth_shards
+
+
+# --- parameters ------------------------------------------------------------------------------------
+
+def _double_conv_params(cin: int, cout: int) -> int:
+    return 27 * cin * cout + 27 * cout * cout + 4 * cout  # two bias-free 3x3x3 convs, two GroupNorms
+
+
+def param_count(scale: int, bottleneck: int = 3, base_width: int = 64, in_channels: int = 3,
+                n_classes: int = 6) -> int:
+    """UNet3d's parameter count (90,302,342 at scale 7 with the defaults)."""
+    widths = [base_width * 2**i for i in range(scale - bottleneck + 1)]
+    n = _double_conv_params(in_channels, base_width)
+    for lo, hi in zip(widths, widths[1:]):
+        n += _double_conv_params(lo, hi)  # Down
+        n += hi * lo * 8 + lo + _double_conv_params(hi, lo)  # Up: transposed conv (bias) + DoubleConv
+    return n + base_width * n_classes + n_classes
+
+
+# --- the step as a list of operations -------------------------------------------------------------
+
+@dataclass(eq=False)
+class _T:
+    """A tensor of the step: its bytes, and whether the backward gives it a gradient (same bytes)."""
+
+    nbytes: int
+    grad: bool = True
+
+
+@dataclass(eq=False)
+class _Op:
+    ins: tuple
+    outs: tuple
+    saved: tuple = ()  # what its backward keeps (parameters excluded)
+    param_grad: int = 0  # bytes of parameter gradients its backward writes (kept to the step's end)
+    grad_temp: int = 0  # bytes written in the backward and dropped (a bf16 weight gradient before its cast)
+    work: int = 0  # transient bytes inside the forward
+    segment: Optional[int] = None  # recompute segment (a checkpointed DoubleConv)
+
+
+class _Builder:
+    """Appends the U-Net's operations as UNet3d.forward runs them."""
+
+    def __init__(self, s: StepShape):
+        self.s, self.ops = s, []
+        self.a = 2 if s.amp else 4  # bytes per activation element
+        self.segment: Optional[int] = None
+        self.n_segments = 0
+
+    def op(self, ins, outs, **kw) -> None:
+        self.ops.append(_Op(tuple(ins), tuple(outs), segment=self.segment, **kw))
+
+    def act(self, channels: int, level: int, nbytes: Optional[int] = None, grad: bool = True) -> _T:
+        return _T(channels * self.s.voxels(level) * (self.a if nbytes is None else nbytes), grad)
+
+    def conv(self, x: _T, cin: int, cout: int, level: int, taps: int = 27, bias: bool = False,
+             cast_input: bool = False) -> _T:
+        """A conv: under autocast its input (when not yet bf16) and weight are cast to bf16, and the
+        backward keeps both; the weight's bf16 gradient is cast to the fp32 parameter's."""
+        numel = taps * cin * cout
+        wcopy = [_T(2 * numel, grad=False)] if self.s.amp else []  # its gradient is `grad_temp`
+        if cast_input:  # the stem's fp32 input: autocast makes a bf16 copy, which the conv keeps
+            x16 = self.act(cin, level, grad=False)
+            self.op([x], [x16])
+            x = x16
+        y = self.act(cout, level)
+        for w in wcopy:
+            self.op([], [w])
+        self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=4 * (numel + (cout if bias else 0)),
+                grad_temp=2 * numel if self.s.amp else 0)
+        return y
+
+    def conv_transpose(self, x: _T, cin: int, cout: int, level: int) -> _T:
+        numel = 8 * cin * cout
+        wcopy = [_T(2 * numel, grad=False)] if self.s.amp else []
+        y = self.act(cout, level)
+        for w in wcopy:
+            self.op([], [w])
+        self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=4 * (numel + cout),
+                grad_temp=2 * numel if self.s.amp else 0)
+        return y
+
+    def norm(self, x: _T, channels: int, level: int) -> _T:
+        """GroupNorm + ReLU. Ours keeps its input and recomputes the ReLU from it. torch's keeps the
+        normalized output too (for the ReLU's backward); on CUDA autocast runs it in fp32, so both kept
+        tensors are fp32 copies and a bf16 copy of the output goes on."""
+        s = self.s
+        stats = _T(2 * 4 * s.batch * s.groups, grad=False)  # mean and rstd per (sample, group)
+        y = self.act(channels, level)
+        if s.fused:
+            self.op([x], [y, stats], saved=(x, stats), param_grad=8 * channels)
+        elif s.amp and s.device == "cuda":
+            x32, y32 = self.act(channels, level, 4), self.act(channels, level, 4)
+            self.op([x], [x32])
+            self.op([x32], [y32, stats], saved=(x32, y32, stats), param_grad=8 * channels)
+            self.op([y32], [y])
+        else:
+            self.op([x], [y, stats], saved=(x, y, stats), param_grad=8 * channels)
+        return y
+
+    def pool(self, x: _T, channels: int, level: int) -> _T:
+        """2x2x2 max pool to `level`: keeps a uint8 index per output. torch's formulation copies the
+        windows and takes an int64 index first."""
+        y = self.act(channels, level)
+        index = self.act(channels, level, 1, grad=False)
+        work = 0 if self.s.fused else x.nbytes + 8 * channels * self.s.voxels(level)
+        self.op([x], [y, index], saved=(index,), work=work)
+        return y
+
+    def concat(self, skip: _T, up: _T, channels: int, level: int) -> _T:
+        y = self.act(channels, level)
+        self.op([skip, up], [y])
+        return y
+
+    def begin(self, on: bool) -> None:
+        """Opens a recompute segment (when `on`): its ops' saved tensors are recomputed, not kept."""
+        if on:
+            self.segment, self.n_segments = self.n_segments, self.n_segments + 1
+
+    def end(self) -> None:
+        self.segment = None
+
+    def double_conv(self, x: _T, cin: int, cout: int, level: int, mode: str = "",
+                    cast_input: bool = False) -> _T:
+        """mode as DoubleConv.recompute: "" keeps, "block" recomputes both convs as one segment,
+        "convs" each conv + norm as its own."""
+        self.begin(mode != "")
+        h = self.norm(self.conv(x, cin, cout, level, cast_input=cast_input), cout, level)
+        if mode == "convs":
+            self.end()
+            self.begin(True)
+        y = self.norm(self.conv(h, cout, cout, level), cout, level)
+        if mode != "":
+            self.end()
+        return y
+
+    def loss(self, logits: _T, labels: _T) -> None:
+        """The CE + Dice head, outside autocast. Ours keeps the logits and a few sums; torch's keeps
+        fp32 log-probabilities, the one-hot target, per-voxel weights and the foreground
+        probabilities."""
+        s, c, v = self.s, self.s.n_classes, self.s.voxels(0)
+        if s.fused:
+            sums = _T(4 * s.batch * (3 * c + 2), grad=False)  # per sample: CE terms, then 3 per class
+            self.op([logits, labels], [sums], saved=(logits, labels, sums))
+            return
+        # log-probs, one-hot, per-voxel weights, foreground probabilities; then the Dice terms per
+        # sample and class, their mask, and the CE denominator
+        kept = [_T(4 * c * v), _T(c * v, grad=False), _T(4 * v, grad=False), _T(4 * (c - 1) * v),
+                _T(9 * s.batch * (c - 1) + 4, grad=False)]
+        self.op([logits, labels], kept, saved=tuple(kept), work=4 * c * v)
+
+
+def _step_ops(s: StepShape) -> tuple[list[_Op], set, _T, _T]:
+    """The step's operations in forward order, the tensors the step itself holds to its end (its
+    input, the logits, the labels), and the input and logits. Recompute segments as UNet3d.set_recompute
+    lays them out."""
+    b = _Builder(s)
+    on = s.recompute == "blocks"
+    block = "block" if on else ""
+    widths = [s.base_width * 2**i for i in range(s.levels + 1)]
+    labels = _T(s.voxels(0), grad=False)  # the batch's uint8 masks
+    x = b.act(s.in_channels, 0, 4, grad=False)  # palette[mask], fp32, gathered through an int32 index
+    b.op([], [labels])
+    b.op([labels], [x], work=4 * s.voxels(0))
+    h = b.double_conv(x, s.in_channels, widths[0], 0, block, cast_input=s.amp)
+    skips = []
+    for level in range(1, s.levels + 1):
+        skips.append(h)
+        h = b.double_conv(b.pool(h, widths[level - 1], level), widths[level - 1], widths[level], level, block)
+    for level in reversed(range(s.levels)):
+        whole = on and level > 0  # below full resolution the whole Up level is one segment
+        b.begin(whole)
+        up = b.conv_transpose(h, widths[level + 1], widths[level], level)
+        cat = b.concat(skips.pop(), up, widths[level + 1], level)
+        h = b.double_conv(cat, widths[level + 1], widths[level], level, "convs" if on and level == 0 else "")
+        if whole:
+            b.end()
+    logits = b.conv(h, widths[0], s.n_classes, 0, taps=1, bias=True)
+    b.loss(logits, labels)
+    return b.ops, {x, logits, labels}, x, logits
+
+
+# --- the walk --------------------------------------------------------------------------------------
+
+class _Live:
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def alloc(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def free(self, n: int) -> None:
+        self.now -= n
+
+
+@dataclass(frozen=True)
+class Walk:
+    saved: int  # bytes the backward keeps at the end of the forward (what saved-tensor hooks count)
+    saved_outside: int  # of which saved by ops outside recompute segments (hooks see only these)
+    forward_peak: int  # live activation bytes at the forward's peak
+    backward_peak: int  # live activation + gradient bytes at the backward's peak (param grads included)
+    eval_peak: int  # live bytes of a forward without autograd (evaluation)
+
+
+def _segments(ops: list[_Op]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        if op.segment is not None:
+            out.setdefault(op.segment, []).append(i)
+    return out
+
+
+def _segment_inputs(ops: list[_Op], idx: list[int]) -> set:
+    made = {t for i in idx for t in ops[i].outs}
+    return {t for i in idx for t in ops[i].ins if t not in made}
+
+
+def _forward(ops: list[_Op], keep: set, holders: dict, live: _Live, idx=None) -> None:
+    """Runs ops (all, or those of `idx`) forward: outputs allocated, and a tensor freed after its last
+    use in this run unless something holds it (`holders`: tensor -> savers not yet released) or the
+    step keeps it (`keep`)."""
+    idx = list(range(len(ops))) if idx is None else idx
+    last = {t: i for i in idx for t in ops[i].ins}
+    freed: set = set()
+    for i in idx:
+        op = ops[i]
+        for t in op.outs:
+            live.alloc(t.nbytes)
+        live.alloc(op.work)
+        live.free(op.work)
+        for t in dict.fromkeys((*op.ins, *op.outs)):
+            dead = last.get(t, i) <= i and holders.get(t, 0) <= 0 and t not in keep
+            if dead and t not in freed:
+                freed.add(t)
+                live.free(t.nbytes)
+
+
+def walk(s: StepShape) -> Walk:
+    """Forward and backward of one step, freeing as autograd does: a tensor lives while a later op
+    reads it, an op's backward keeps what it saved, and a gradient lives from the backward of its
+    tensor's consumer to that of its producer. A recompute segment keeps only its inputs; its backward
+    first runs its forward again, keeping its saved tensors, as torch.utils.checkpoint does."""
+    ops, keep, _, logits = _step_ops(s)
+    segments = _segments(ops)
+    seg_inputs = {k: _segment_inputs(ops, idx) for k, idx in segments.items()}
+
+    holders: dict = {}
+    for op in ops:
+        if op.segment is None:
+            for t in op.saved:
+                holders[t] = holders.get(t, 0) + 1
+    for inputs in seg_inputs.values():
+        for t in inputs:
+            holders[t] = holders.get(t, 0) + 1
+    live = _Live()
+    _forward(ops, keep, holders, live)
+    held = {t for t, n in holders.items() if n > 0}
+    outside = {t for op in ops if op.segment is None for t in op.saved}
+    saved = sum(t.nbytes for t in held)
+    saved_outside = sum(t.nbytes for t in held & outside)
+    forward_peak = live.peak
+
+    live.peak = live.now
+    _backward(ops, keep, holders, segments, seg_inputs, logits, live)
+    return Walk(saved, saved_outside, forward_peak, live.peak, _eval_peak(s))
+
+
+def _release(t: _T, holders: dict, keep: set, live: _Live) -> None:
+    holders[t] = holders.get(t, 0) - 1
+    if holders[t] == 0 and t not in keep:
+        live.free(t.nbytes)
+
+
+def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live) -> None:
+    grads: set = set()
+    done_segments: set = set()
+    for i in reversed(range(len(ops))):
+        op = ops[i]
+        k = op.segment
+        if k is not None and k not in done_segments:  # first backward into a segment: recompute it
+            done_segments.add(k)
+            _recompute(ops, segments[k], keep, holders, live)
+        for t in op.ins:
+            if not t.grad:
+                continue
+            live.alloc(t.nbytes)  # a second gradient for a tensor read twice (a skip) is added in place
+            if t in grads:
+                live.free(t.nbytes)
+            grads.add(t)
+        live.alloc(op.param_grad + op.grad_temp)
+        live.free(op.grad_temp)
+        for t in op.outs:
+            if t in grads:
+                grads.discard(t)
+                live.free(t.nbytes)
+        for t in op.saved:
+            _release(t, holders, keep, live)
+        if k is not None and i == segments[k][0]:  # the segment's backward is done: its inputs go
+            for t in seg_inputs[k]:
+                _release(t, holders, keep, live)
+
+
+def _recompute(ops, idx: list[int], keep: set, holders: dict, live: _Live) -> None:
+    """A segment's forward again, keeping what its ops save; torch stops after the last op that saves
+    something, so that op's output is made and dropped at once."""
+    for i in idx:
+        for t in ops[i].saved:
+            holders[t] = holders.get(t, 0) + 1
+    _forward(ops, keep, holders, live, idx)
+
+
+def _eval_peak(s: StepShape) -> int:
+    """A forward under no_grad, then the validation loss and Dice (torch's ops, fp32 over the logits)."""
+    ops, keep, _, _ = _step_ops(replace(s, recompute="off", fused=True))
+    live = _Live()
+    _forward(ops[:-1], keep, {}, live)
+    c, v = s.n_classes, s.voxels(0)
+    live.alloc(4 * c * v + c * v + 3 * 4 * v + 4 * (c - 1) * v)  # log-probs, one-hot, NLL terms, probs
+    return live.peak
+
+
+# --- the estimate ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes of one training step on one device, by term."""
+
+    shape: StepShape
+    params: int  # fp32 parameters
+    grads: int  # their fp32 gradients
+    adam: int  # Adam's two fp32 moments
+    optimizer_temp: int  # Adam's temporaries during its step (torch's foreach Adam: one moment's size)
+    walk: Walk
+    buckets: int = 0  # DDP's gradient buckets
+    evaluate: bool = True  # the run evaluates (a forward without autograd) between epochs
+    warmup_copy: int = 0  # the trainer's warm-up runs on a copy of the model and its optimizer
+
+    @property
+    def data(self) -> int:
+        return self.shape.data_bytes // self.shape.depth_shards  # each shard holds its slab of the masks
+
+    @property
+    def saved(self) -> int:
+        return self.walk.saved
+
+    @property
+    def activation_peak(self) -> int:
+        """Live activations and gradients at the step's peak (what a captured step's pool holds)."""
+        return max(self.walk.forward_peak, self.walk.backward_peak)
+
+    @property
+    def step_peak(self) -> int:
+        """Live bytes at the step's peak with Adam's state present (every step after the first)."""
+        return self.static + self.activation_peak
+
+    @property
+    def static(self) -> int:
+        """What stays allocated across steps: parameters, Adam's state, DDP's buckets, the data."""
+        return self.params + self.adam + self.buckets + self.data
+
+    @property
+    def max_allocated(self) -> int:
+        """What torch.cuda.max_memory_allocated reports over a few steps of the step benchmark (from
+        before the model is built): the step's peak with Adam's state present (the captured step
+        includes Adam, whose state exists before the capture), or Adam's own step if larger."""
+        return max(self.step_peak, self.static + self.grads + self.optimizer_temp)
+
+    @property
+    def need(self) -> int:
+        """Device bytes a run needs. Eagerly, evaluation and Adam's step reuse the step's freed memory.
+        A CUDA graph's pool stays reserved between replays (the step's activation peak, its gradients
+        included), so what runs outside the graph (Adam's temporaries, the evaluation forward) comes on
+        top of it. The warm-up copy is there before any capture."""
+        evaluation = self.walk.eval_peak if self.evaluate else 0
+        warmup = self.step_peak + self.warmup_copy
+        if self.shape.graph:
+            return max(warmup, self.step_peak + max(self.optimizer_temp, evaluation))
+        return max(warmup, self.static + max(self.grads + self.optimizer_temp, evaluation))
+
+    def terms(self) -> dict[str, float]:
+        """The terms in GiB, for a table or a JSON record."""
+        return {k: v / GiB for k, v in (
+            ("params", self.params), ("grads", self.grads), ("adam", self.adam), ("buckets", self.buckets),
+            ("data", self.data),
+            ("saved", self.saved), ("forward_peak", self.walk.forward_peak),
+            ("backward_peak", self.walk.backward_peak), ("eval_peak", self.walk.eval_peak),
+            ("step_peak", self.step_peak), ("max_allocated", self.max_allocated), ("need", self.need))}
+
+
+def estimate(s: StepShape, evaluate: bool = True, warmup: bool = False) -> Estimate:
+    """The step's memory for a shape; `evaluate` counts the evaluation forward, `warmup` the trainer's
+    warm-up copy of the model and optimizer."""
+    p = param_count(s.scale, s.bottleneck, s.base_width, s.in_channels, s.n_classes)
+    # torch's Adam: foreach on CUDA (a temporary the size of one moment); one tensor at a time on CPU.
+    temp = 4 * p if s.device == "cuda" else 4 * _largest_param(s)
+    return Estimate(s, 4 * p, 4 * p, 8 * p, temp, walk(s), 4 * p if s.data_parallel else 0, evaluate,
+                    4 * p if warmup else 0)
+
+
+def _largest_param(s: StepShape) -> int:
+    w = s.base_width * 2**s.levels
+    return 27 * w * w
+
+
+# --- from a config, and the device's memory -------------------------------------------------------
+
+def dataset_bytes(cfg: Any) -> int:
+    """The masks of the whole dataset (uint8), which the trainer keeps on the device."""
+    from scaffold.config import dataset_sizes
+
+    return sum(dataset_sizes(cfg.data)) * (2**cfg.scale) ** 3
+
+
+def masks_on_device(cfg: Any, device: str, capacity: int) -> int:
+    """Bytes of masks the trainer keeps on the device: the dataset's (each shard's slab of it) when
+    `data_placement` puts them there (auto: at most a tenth of the device), else none."""
+    if device != "cuda":
+        return 0
+    placement = getattr(cfg, "data_placement", "auto")
+    total = dataset_bytes(cfg)
+    if placement == "host" or (placement == "auto" and total > capacity // 10):
+        return 0
+    return total
+
+
+def shape_from_config(cfg: Any, device: str, recompute: str = "off", n_classes: Optional[int] = None,
+                      data_bytes: Optional[int] = None, capacity: Optional[int] = None) -> StepShape:
+    """The step of a training config on `device` ("cuda" or "cpu"): precision, rungs, CUDA graph,
+    spatial shards and the masks' placement as the trainer resolves them (`capacity`: the device's
+    bytes, for `data_placement=auto`; data_bytes overrides the masks' bytes)."""
+    m = cfg.model
+    amp = cfg.precision == "bf16" or (cfg.precision == "auto" and device == "cuda")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: DDP, whose step is not captured
+    shards = int(getattr(getattr(cfg, "parallel", None), "spatial_shards", 1) or 1)
+    graph = device == "cuda" and cfg.cuda_graph != "off" and world == 1 and shards == 1
+    fused = device == "cuda" and getattr(cfg.ladder, "group_norm", "auto") != "vendor" and shards == 1
+    if data_bytes is None:
+        data_bytes = masks_on_device(cfg, device, capacity if capacity is not None else 1 << 62)
+    return StepShape(cfg.scale, m.bottleneck, m.base_width, m.groups, 3,
+                     n_classes if n_classes is not None else cfg.data.n_categories + 1, cfg.batch_size,
+                     amp, device, fused, recompute, graph, data_bytes, world > 1, shards)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    name: str  # e.g. "cuda:0 (NVIDIA H200)" or "cpu"
+    free: int
+    total: int
+
+
+def device_memory(device: Any, query_free: bool = True) -> DeviceMemory:
+    """Free and total bytes of a device. CUDA: torch.cuda.mem_get_info, or with query_free=False the
+    total from the device's properties (no CUDA context is created); CPU: available and physical RAM
+    from os.sysconf."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+        if query_free:
+            free, total = torch.cuda.mem_get_info(index)
+        else:
+            free = total = torch.cuda.get_device_properties(index).total_memory
+        return DeviceMemory(name, int(free), int(total))
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    free = os.sysconf("SC_AVPHYS_PAGES") * page if query_free else total
+    return DeviceMemory("cpu", int(free), int(total))
+
+
+# --- recompute=auto ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    mode: str  # "off" | "blocks"
+    setting: str  # what the config asked: off | blocks | auto
+    off: Estimate
+    blocks: Estimate
+    memory: DeviceMemory
+
+    @property
+    def chosen(self) -> Estimate:
+        return self.blocks if self.mode == "blocks" else self.off
+
+    def line(self) -> str:
+        """One start-up line: the prediction, the free memory and the choice."""
+        g = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
+        fits = "" if self.chosen.need <= self.memory.free * HEADROOM else " (predicted NOT to fit)"
+        return (f"memory: the run needs ~{g(self.off.need)} without recompute, ~{g(self.blocks.need)} with; "
+                f"{g(self.memory.free)} free on {self.memory.name}: model.recompute={self.setting} -> "
+                f"{self.mode}{fits}")
+
+
+def choose(setting: str, off: Estimate, memory: DeviceMemory) -> str:
+    """`auto`: recompute only where the run would not fit in the free memory (never on the CPU, whose
+    memory the operating system extends by swapping rather than failing)."""
+    if setting != "auto":
+        return setting
+    if memory.name == "cpu" or off.need <= memory.free * HEADROOM:
+        return "off"
+    return "blocks"
+
+
+def plan_recompute(cfg: Any, device: Any, n_classes: Optional[int] = None,
+                   memory: Optional[DeviceMemory] = None, data_bytes: Optional[int] = None,
+                   evaluate: bool = True, warmup: Optional[bool] = None) -> RecomputePlan:
+    """What `model.recompute` resolves to for a config on a device, free memory queried now unless
+    given. By default the run is the trainer's (its dataset on the device, evaluation, warm-up copy);
+    a benchmark passes its own data bytes and evaluate=False, warmup=False."""
+    import torch
+
+    device = torch.device(device)
+    memory = memory if memory is not None else device_memory(device)
+    warmup = cfg.warmup_steps > 0 if warmup is None else warmup
+    off = estimate(shape_from_config(cfg, device.type, "off", n_classes, data_bytes, memory.total),
+                   evaluate, warmup)
+    blocks = estimate(replace(off.shape, recompute="blocks"), evaluate, warmup)
+    setting = getattr(cfg.model, "recompute", "auto")
+    return RecomputePlan(choose(setting, off, memory), setting, off, blocks, memory)
+
+
+# --- the scale check ---------------------------------------------------------------------------------
+
+def target_device(setting: Any) -> Optional[str]:
+    """The device a run with `device=setting` would use from this process, or None where that device
+    is not visible here (device=cuda on a host without one: the run's own validation checks it)."""
+    import torch
+
+    setting = str(setting)
+    if setting == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cpu" if setting == "auto" else None
+    if setting.startswith("cuda:"):
+        return setting
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 10) -> Optional[int]:
+    """The fewest D-slabs (a power of two) over which each device's share of the run would pass the
+    scale check with recompute; None if no split does (the parameters and Adam state, which every
+    shard holds whole, do not fit)."""
+    n = 2
+    while n <= min(most, 2**s.scale):
+        if _fits(estimate(replace(s, depth_shards=n), warmup=warmup).need, capacity):
+            return n
+        n *= 2
+    return None
+
+
+def _fits(need: int, capacity: int) -> bool:
+    """The scale check's test: only what surely does not fit is refused (see TOLERANCE)."""
+    return need * (1 - TOLERANCE) <= capacity
+
+
+def check_scale(cfg: Any) -> None:
+    """ConfigError (one line) when a training config cannot fit on its device even with recompute.
+    Cheap: shapes only, no allocation, no CUDA context (the device's total memory, not its free)."""
+    from scaffold.config import ConfigError
+
+    where = target_device(cfg.device)
+    if where is None:
+        return
+    memory = device_memory(where, query_free=False)
+    s = shape_from_config(cfg, where.split(":")[0], "blocks", capacity=memory.total)
+    warmup = cfg.warmup_steps > 0
+    need = estimate(s, warmup=warmup).need
+    if _fits(need, memory.total):
+        return
+    n = shards_needed(s, memory.total, warmup)
+    if n is not None:
+        advice = f"use parallel.spatial_shards >= {n}"
+    else:
+        e = estimate(s, warmup=warmup)
+        whole = (e.params + e.grads + e.adam) / GiB
+        advice = (f"no split along D fits either: every rank holds the whole model, and its parameters, "
+                  f"gradients and Adam state alone are {whole:.0f} GiB; raise model.bottleneck (fewer "
+                  f"levels, fewer parameters)")
+    raise ConfigError(f"scale={cfg.scale} needs ~{need / GiB:.0f} GiB per device with recompute "
+                      f"(batch_size={cfg.batch_size}, the dataset's masks included); this device "
+                      f"({memory.name}) has {memory.total / GiB:.0f} GiB: {advice}")
+
+
+def graph_plan(cfg: Any, device: Any, n_classes: int, recompute: str) -> tuple[bool, str]:
+    """(whether a CUDA-graph step fits, one line saying so) for `cuda_graph=auto`: a graph's pool stays
+    reserved between replays, so evaluation and Adam's temporaries come on top of the step's peak;
+    eager steps share one pool. Graphs are kept unless they would not fit where eager steps would."""
+    memory = device_memory(device, query_free=False)
+    s = shape_from_config(cfg, "cuda", recompute, n_classes, capacity=memory.total)
+    warmup = cfg.warmup_steps > 0
+    graphed = estimate(replace(s, graph=True), warmup=warmup).need
+    eager = estimate(replace(s, graph=False), warmup=warmup).need
+    room = memory.total * HEADROOM
+    fits = graphed <= room or eager > room
+    line = (f"memory: a CUDA-graph step needs ~{graphed / GiB:.0f} GiB (its pool stays reserved beside "
+            f"evaluation), eager steps ~{eager / GiB:.0f} GiB, of {memory.total / GiB:.0f} GiB on "
+            f"{memory.name}: cuda_graph=auto -> {'graph' if fits else 'eager'}")
+    return fits, line

@@ -1,0 +1,115 @@
+"""The memory model (scaffold/model/memory.py): its parameter count and the bytes autograd saves,
+against the real model on the CPU; what `model.recompute=auto` picks; the scale check's one line."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_cfg
+from scaffold.config import ConfigError, validate
+from scaffold.data.loader import make_input
+from scaffold.loss import SegmentationLoss
+from scaffold.model import memory
+from scaffold.model.memory import StepShape, param_count, walk
+from scaffold.model.unet import UNet3d, resolve_recompute
+
+
+@pytest.mark.parametrize("scale, bottleneck, width", [(4, 3, 64), (7, 3, 64), (5, 2, 16), (6, 1, 8)])
+def test_the_parameter_count_is_the_models(scale, bottleneck, width):
+    model = UNet3d(scale, bottleneck, width, 8 if width >= 8 else 4, 3, 6)
+    assert param_count(scale, bottleneck, width, 3, 6) == sum(p.numel() for p in model.parameters())
+
+
+def _saved_bytes(scale: int, recompute: str, amp: bool, batch: int = 2) -> int:
+    """Bytes of the distinct storages autograd saves in one forward + loss (parameters excluded)."""
+    torch.manual_seed(0)
+    model = UNet3d(scale, 2, 8, 4, 3, 4).set_recompute(recompute)
+    loss = SegmentationLoss(torch.ones(4))
+    edge = 2**scale
+    labels = torch.randint(0, 4, (batch, edge, edge, edge), dtype=torch.uint8)
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            logits = model(make_input(labels, torch.rand(4, 3)))
+        loss.terms(logits, labels)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("scale", [3, 4, 5])
+@pytest.mark.parametrize("recompute", ["off", "blocks"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_saved_bytes_are_what_autograd_saves(scale, recompute, amp):
+    """Exact: the model lists every tensor the CPU forward saves (vendor rungs, fp32 or autocast)."""
+    s = StepShape(scale, 2, 8, 4, 3, 4, 2, amp, "cpu", False, recompute, False)
+    assert walk(s).saved == _saved_bytes(scale, recompute, amp)
+
+
+def test_recompute_lowers_the_predicted_peak_and_scale_9_needs_it():
+    off = memory.estimate(StepShape(9, graph=True), warmup=False)
+    blocks = memory.estimate(StepShape(9, recompute="blocks", graph=True), warmup=False)
+    assert blocks.step_peak < 0.6 * off.step_peak
+    assert off.step_peak > 140 * memory.GiB  # more than an H200 holds
+
+
+def test_auto_is_off_on_the_cpu(tmp_path):
+    cfg = tiny_cfg(tmp_path, "model.recompute=auto")
+    assert resolve_recompute(cfg, 3, "cpu") == "off"
+
+
+def test_auto_turns_recompute_on_when_the_run_would_not_fit(tmp_path):
+    cfg = tiny_cfg(tmp_path, "model.recompute=auto", "scale=7", "model.bottleneck=3", "model.base_width=64",
+                   "model.groups=8", "device=cuda")
+    roomy = memory.DeviceMemory("cuda:0 (test)", 100 * memory.GiB, 140 * memory.GiB)
+    tight = memory.DeviceMemory("cuda:0 (test)", 5 * memory.GiB, 140 * memory.GiB)
+    big = memory.plan_recompute(cfg, "cpu", 6, memory=roomy)
+    assert big.mode == "off"
+    plan = memory.plan_recompute(cfg, "cpu", 6, memory=tight)
+    assert plan.mode == "blocks" and plan.blocks.need < plan.off.need
+    assert "model.recompute=auto -> blocks" in plan.line()
+    assert memory.plan_recompute(tiny_cfg(tmp_path, "model.recompute=off"), "cpu", 6, memory=tight).mode == "off"
+
+
+def test_the_scale_check_names_the_shard_count_it_would_need(tmp_path, monkeypatch):
+    """scale 11 on 140 GiB devices. With 6 levels (model.bottleneck=5) refused in one line that names a
+    shard count, and accepted at it; with the default 8 levels the model alone (23 G parameters) does
+    not fit on one device however the volume is split, and the line says what to change."""
+    monkeypatch.setattr(memory, "target_device", lambda setting: "cuda:0")
+    monkeypatch.setattr(memory, "device_memory",
+                        lambda where, query_free=True: memory.DeviceMemory("cuda:0 (test)", 140 * memory.GiB,
+                                                                           140 * memory.GiB))
+    big = ["scale=11", "model.bottleneck=5", "model.base_width=64", "model.groups=8", "device=cuda"]
+    with pytest.raises(ConfigError) as err:
+        validate(tiny_cfg(tmp_path, *big))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("scale=11 needs ~")
+    shards = int(line.rsplit("parallel.spatial_shards >= ", 1)[1])
+    assert shards >= 2 and shards & (shards - 1) == 0
+    validate(tiny_cfg(tmp_path, *big, f"parallel.spatial_shards={shards}"))
+    with pytest.raises(ConfigError):
+        validate(tiny_cfg(tmp_path, *big, f"parallel.spatial_shards={shards // 2}"))
+    with pytest.raises(ConfigError, match="raise model.bottleneck"):
+        validate(tiny_cfg(tmp_path, *big, "model.bottleneck=3", "parallel.spatial_shards=1024"))
+
+
+def test_small_runs_pass_the_scale_check_on_this_machine(tmp_path):
+    validate(tiny_cfg(tmp_path, "scale=7", "model.bottleneck=3", "model.base_width=64", "model.groups=8"))
+
+
+def test_the_memory_benchmark_runs_on_the_cpu(tmp_path):
+    import json
+
+    from scaffold.bench.memory import main
+
+    out = tmp_path / "memory.json"
+    assert main(["--device", "cpu", "--scales", "4", "5", "--width", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["scale"], r["variant"]) for r in rows] == [(4, "ladder"), (4, "ladder+recompute"),
+                                                            (5, "ladder"), (5, "ladder+recompute")]
+    assert all(r["predicted_gib"] > 0 for r in rows) and rows[3]["predicted_gib"] < rows[2]["predicted_gib"]
