@@ -48,6 +48,8 @@ class LadderSite:
         if name != VENDOR:
             try:
                 out = policy.rung(self.op, name).forward(call)
+            except torch.OutOfMemoryError:  # the device is full, not the rung broken: vendor would be too
+                raise
             except Exception as exc:  # compile failure or a kernel bug: this module goes vendor for good
                 self.vendor_only = True
                 self.fallback_error = f"{name}: {type(exc).__name__}: {exc}".splitlines()[0]

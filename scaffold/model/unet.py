@@ -106,4 +106,10 @@ def resolve_recompute(cfg: Any, n_classes: int, device: Any = None) -> str:
         return "off"
     plan = plan_recompute(cfg, where, n_classes)
     logging.getLogger("scaffold").info("%s", plan.line())
+    if plan.mode == "blocks":  # a tight run: fragmentation must not decide whether it fits
+        from scaffold.model.memory import roomy_allocator
+
+        if roomy_allocator():
+            logging.getLogger("scaffold").info("memory: expandable allocator segments (PYTORCH_CUDA_ALLOC_CONF "
+                                               "unset)")
     return plan.mode
