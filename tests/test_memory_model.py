@@ -113,3 +113,13 @@ def test_the_memory_benchmark_runs_on_the_cpu(tmp_path):
     assert [(r["scale"], r["variant"]) for r in rows] == [(4, "ladder"), (4, "ladder+recompute"),
                                                             (5, "ladder"), (5, "ladder+recompute")]
     assert all(r["predicted_gib"] > 0 for r in rows) and rows[3]["predicted_gib"] < rows[2]["predicted_gib"]
+
+
+def test_graphs_give_way_to_eager_steps_only_where_they_would_not_fit(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "device_memory",
+                        lambda where, query_free=True: memory.DeviceMemory("cuda:0 (test)", 140 * memory.GiB,
+                                                                           140 * memory.GiB))
+    big = ["model.bottleneck=3", "model.base_width=64", "model.groups=8", "device=cuda"]
+    assert memory.graph_plan(tiny_cfg(tmp_path, "scale=7", *big), "cuda:0", 6, "off")[0]
+    fits, line = memory.graph_plan(tiny_cfg(tmp_path, "scale=9", *big), "cuda:0", 6, "blocks")
+    assert not fits and line.endswith("cuda_graph=auto -> eager")

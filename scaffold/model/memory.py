@@ -680,21 +680,22 @@ def roomy_allocator() -> bool:
         return False
     if torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
         return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.12's name
+    (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
     return True
 
 
 def graph_plan(cfg: Any, device: Any, n_classes: int, recompute: str) -> tuple[bool, str]:
     """(whether a CUDA-graph step fits, one line saying so) for `cuda_graph=auto`: a graph's pool stays
     reserved between replays, so evaluation and Adam's temporaries come on top of the step's peak;
-    eager steps share one pool. Graphs are kept unless they would not fit where eager steps would."""
+    eager steps share one pool. Graphs are kept unless they would not fit and eager steps need less."""
     memory = device_memory(device, query_free=False)
     s = shape_from_config(cfg, "cuda", recompute, n_classes, capacity=memory.total)
     warmup = cfg.warmup_steps > 0
     graphed = estimate(replace(s, graph=True), warmup=warmup).need
     eager = estimate(replace(s, graph=False), warmup=warmup).need
     room = memory.total * HEADROOM
-    fits = graphed <= room or eager > room
+    fits = graphed <= room or graphed <= eager  # where neither fits, the smaller need has the better chance
     line = (f"memory: a CUDA-graph step needs ~{graphed / GiB:.0f} GiB (its pool stays reserved beside "
             f"evaluation), eager steps ~{eager / GiB:.0f} GiB, of {memory.total / GiB:.0f} GiB on "
             f"{memory.name}: cuda_graph=auto -> {'graph' if fits else 'eager'}")
