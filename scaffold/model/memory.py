@@ -627,7 +627,8 @@ def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 10
     shard holds whole, do not fit)."""
     n = 2
     while n <= min(most, 2**s.scale):
-        if _fits(estimate(replace(s, depth_shards=n), warmup=warmup).need, capacity):
+        # sharded: no CUDA graph, and the slab GroupNorm is torch's ops (as shape_from_config has it)
+        if _fits(estimate(replace(s, depth_shards=n, graph=False, fused=False), warmup=warmup).need, capacity):
             return n
         n *= 2
     return None
