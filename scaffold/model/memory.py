@@ -665,7 +665,7 @@ def check_scale(cfg: Any) -> None:
                   f"gradients and Adam state alone are {whole:.0f} GiB; raise model.bottleneck (fewer "
                   f"levels, fewer parameters)")
     raise ConfigError(f"scale={cfg.scale} needs ~{need / GiB:.0f} GiB per device with recompute "
-                      f"(batch_size={cfg.batch_size}, the dataset's masks included); this device "
+                      f"(batch_size={cfg.batch_size}, {s.data_bytes / GiB:.1f} GiB of masks on it); this device "
                       f"({memory.name}) has {memory.total / GiB:.0f} GiB: {advice}")
 
 
