@@ -131,6 +131,18 @@ def test_sharding_composes_with_data_parallelism(cache, tmp_path):
     assert all(math.isfinite(float(r["val_loss_avg"])) for r in rows)
 
 
+def test_a_sharded_run_resumed_at_the_same_shard_count_is_bitwise(cache, tmp_path):
+    """Stopped after epoch 1 and resumed to epoch 2 on 2 shards: the bits of the uninterrupted run."""
+    whole = _run(2, cache, tmp_path, "whole", "parallel.spatial_shards=2")
+    part = tmp_path / "part"
+    torchrun(2, [*TINY, "epochs=1", f"data.cache_dir={cache}", f"hydra.run.dir={part}",
+                 "parallel.spatial_shards=2"], tmp_path)
+    torchrun(2, [*TINY, "epochs=2", f"data.cache_dir={cache}", f"resume={part}", "parallel.spatial_shards=2"],
+             tmp_path)
+    assert stable_rows(part / "train_stats.csv") == stable_rows(whole / "train_stats.csv")
+    assert same_params(params(part), params(whole))
+
+
 def test_resume_at_another_shard_count_continues_and_says_it_is_not_bitwise(cache, tmp_path):
     run = _run(2, cache, tmp_path, "r", "parallel.spatial_shards=2")
     done = cli(*TINY, "epochs=3", f"data.cache_dir={cache}", f"resume={run}", "parallel.spatial_shards=1",
