@@ -123,3 +123,39 @@ def test_graphs_give_way_to_eager_steps_only_where_they_would_not_fit(tmp_path, 
     assert memory.graph_plan(tiny_cfg(tmp_path, "scale=7", *big), "cuda:0", 6, "off")[0]
     fits, line = memory.graph_plan(tiny_cfg(tmp_path, "scale=9", *big), "cuda:0", 6, "blocks")
     assert not fits and line.endswith("cuda_graph=auto -> eager")
+
+
+@pytest.mark.parametrize("recompute", ["off", "blocks"])
+def test_the_saved_bytes_of_our_rungs_are_what_autograd_saves(recompute):
+    """The CUDA prediction's assumptions about our rungs (GroupNorm keeps its input and two statistics
+    per group, the pool a uint8 index, the concat nothing, the loss its logits, labels and sums), checked
+    on the Triton interpreter at scale 3 (fp32; convs on vendor, which keep their input either way).
+    The model leaves out the loss's class weights (4 bytes a class), which live as long as the run."""
+    from scaffold.config import LadderConfig
+    from scaffold.kernels.lib.device import triton_usable
+    from scaffold.model import census, set_ladder
+
+    if not triton_usable(torch.empty(0)):
+        pytest.skip("Triton cannot run here (no interpreter)")
+    torch.manual_seed(0)
+    ladder = LadderConfig("vendor", "vendor", "triton", "triton", "triton", "triton")
+    model = UNet3d(3, 2, 8, 4, 3, 4)
+    set_ladder(model, ladder)
+    model.set_recompute(recompute)
+    loss = SegmentationLoss(torch.ones(4))
+    set_ladder(loss, ladder)
+    labels = torch.randint(0, 4, (2, 8, 8, 8), dtype=torch.uint8)
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss.terms(model(make_input(labels, torch.rand(4, 3))), labels)
+    assert census(model)["fallbacks"] == []
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = sum(n for ptr, n in seen.items() if ptr not in params)
+    s = StepShape(3, 2, 8, 4, 3, 4, 2, False, "cpu", True, recompute, False)
+    assert saved == walk(s).saved + 4 * 4  # the class weights
