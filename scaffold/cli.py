@@ -30,7 +30,8 @@ log = logging.getLogger("scaffold")
 # Keys a resumed run may change: they do not alter what has been computed so far.
 RESUME_MUTABLE = {"epochs", "target_dice", "checkpoint_interval", "progress", "profile", "device",
                   "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph", "parallel.timeout_s",
-                  "objective", "logger", "parallel.spatial_shards"}
+                  "objective", "logger", "parallel.spatial_shards",
+                  "model.recompute", "data_placement"}  # the last two: the same bits either way
 # Of those, keys whose change alters the arithmetic from the resume on (said in one line).
 RESUME_NOT_BITWISE = {"parallel.spatial_shards": "sums are split over another number of slabs"}
 

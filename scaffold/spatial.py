@@ -91,8 +91,10 @@ class Mesh:
     data_world: int
 
 
-def make_mesh(rank: int, world: int, spatial: int, device_type: str) -> Mesh:
-    """The 2-D mesh of a job of `world` ranks with `spatial` ranks per volume (every rank calls it)."""
+def make_mesh(rank: int, world: int, spatial: int, device_type: str, timeout_s: Optional[float] = None) -> Mesh:
+    """The 2-D mesh of a job of `world` ranks with `spatial` ranks per volume (every rank calls it). Its
+    groups wait at most `timeout_s` in a collective, like the job's default group (parallel.timeout_s):
+    a halo exchange with a rank that hangs fails within that bound."""
     if spatial <= 1:
         return Mesh(None, rank, world)
     if world % spatial:
@@ -100,12 +102,23 @@ def make_mesh(rank: int, world: int, spatial: int, device_type: str) -> Mesh:
 
         raise ConfigError(f"parallel.spatial_shards={spatial}: expected a divisor of the world size "
                           f"({world} ranks)")
-    from torch.distributed.device_mesh import init_device_mesh
+    import datetime
 
-    mesh = init_device_mesh(device_type, (world // spatial, spatial), mesh_dim_names=("data", "spatial"))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    data = world // spatial
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    # Every rank creates every group, in the same order: one per volume (consecutive ranks), one per
+    # slab position (the data-parallel peers).
+    spatial_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(d * spatial, (d + 1) * spatial)) for d in range(data)], timeout=timeout)
+    data_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(i, world, spatial)) for i in range(spatial)], timeout=timeout)
+    mesh = DeviceMesh.from_group([data_group, spatial_group], device_type,
+                                 mesh=torch.arange(world).view(data, spatial), mesh_dim_names=("data", "spatial"))
     group = mesh.get_group("spatial")
     ranks = tuple(dist.get_process_group_ranks(group))
-    return Mesh(ShardGroup(group, ranks, ranks.index(rank)), rank // spatial, world // spatial)
+    return Mesh(ShardGroup(group, ranks, ranks.index(rank)), rank // spatial, data)
 
 
 # --------------------------------------------------------------------------------------- collectives
@@ -203,10 +216,54 @@ class HaloConv3d(FastConv3d):
         return y[:, :, 1:-1].contiguous(memory_format=_layout(y))
 
 
+class _SlabGroupNorm(torch.autograd.Function):
+    """GroupNorm (+ ReLU) of a D-slab with the statistics of the whole volume: per (sample, group), the
+    slab's sums added over the shard group in rank order (mean first, then squared deviations: two
+    passes, as stable as the one-device norm), fp32 throughout. Saves only its input and the (mean,
+    rstd) pairs, like the one-device rungs, and recomputes the normalized values in the backward, whose
+    two group sums are added over the shard group the same way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups: int, eps: float, relu: bool, out_dtype, sg: ShardGroup):
+        n, c = x.shape[:2]
+        v = x.float().reshape(n, groups, -1)
+        count = v.shape[2] * sg.count
+        mean = _fixed_order_sum(v.sum(2), sg) / count
+        dev = v - mean.unsqueeze(2)
+        var = _fixed_order_sum((dev * dev).sum(2), sg) / count
+        rstd = torch.rsqrt(var + eps)
+        shape = (1, c) + (1,) * (x.dim() - 2)
+        y = (dev * rstd.unsqueeze(2)).reshape(x.shape) * weight.float().view(shape) + bias.float().view(shape)
+        if relu:
+            y = y.clamp_min_(0)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.groups, ctx.relu, ctx.sg, ctx.count = groups, relu, sg, count
+        return y.to(out_dtype).contiguous(memory_format=_layout(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        n, c = x.shape[:2]
+        g = ctx.groups
+        shape = (1, c) + (1,) * (x.dim() - 2)
+        xhat = ((x.float().reshape(n, g, -1) - mean.unsqueeze(2)) * rstd.unsqueeze(2)).reshape(x.shape)
+        gy = grad.float()
+        if ctx.relu:  # the ReLU's mask from the recomputed output
+            gy = torch.where(xhat * weight.float().view(shape) + bias.float().view(shape) > 0, gy, 0.0)
+        dims = [0] + list(range(2, x.dim()))
+        grad_weight = (gy * xhat).sum(dims).to(weight.dtype)
+        grad_bias = gy.sum(dims).to(bias.dtype)
+        dxhat = (gy * weight.float().view(shape)).reshape(n, g, -1)
+        xh = xhat.reshape(n, g, -1)
+        sums = _fixed_order_sum(torch.stack([dxhat.sum(2), (dxhat * xh).sum(2)]), ctx.sg)
+        dx = (dxhat - sums[0].unsqueeze(2) / ctx.count - xh * (sums[1].unsqueeze(2) / ctx.count)) * rstd.unsqueeze(2)
+        return (dx.reshape(x.shape).to(x.dtype).contiguous(memory_format=_layout(x)), grad_weight, grad_bias,
+                None, None, None, None, None)
+
+
 class ShardedGroupNorm(FastGroupNorm):
-    """GroupNorm (+ ReLU) over a D-slab: per (sample, group) sums over the slab, added over the shard
-    group in rank order; mean first, then the sum of squared deviations (two passes, as stable as the
-    one-device norm). fp32 statistics; under autocast the output dtype follows FastGroupNorm's rule."""
+    """GroupNorm (+ ReLU) over a D-slab with the whole volume's statistics (see _SlabGroupNorm); the
+    output dtype follows FastGroupNorm's rule under autocast. Same parameters and state-dict keys."""
 
     shards: ShardGroup
 
@@ -216,20 +273,8 @@ class ShardedGroupNorm(FastGroupNorm):
         out_dtype = x.dtype
         if torch.is_autocast_enabled(kind):
             out_dtype = torch.get_autocast_dtype(kind) if self.autocast_output else torch.float32
-        n, c = x.shape[:2]
-        g = self.num_groups
-        with torch.autocast(kind, enabled=False):
-            v = x.float().reshape(n, g, -1)
-            count = v.shape[2] * self.shards.count
-            mean = all_sum(v.sum(2), self.shards) / count
-            dev = v - mean.unsqueeze(2)
-            var = all_sum((dev * dev).sum(2), self.shards) / count
-            y = (dev * torch.rsqrt(var + self.eps).unsqueeze(2)).reshape(x.shape)
-            shape = (1, c) + (1,) * (x.dim() - 2)
-            y = y * self.weight.view(shape) + self.bias.view(shape)
-            if self.relu:
-                y = F.relu(y)
-        return y.to(out_dtype).contiguous(memory_format=_layout(x))
+        return _SlabGroupNorm.apply(x, self.weight, self.bias, self.num_groups, self.eps, self.relu, out_dtype,
+                                    self.shards)
 
 
 class _Gather(torch.autograd.Function):

@@ -176,7 +176,7 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
     if shards > 1 and not place.joined:
         raise ConfigError(f"parallel.spatial_shards={shards}: one process cannot split a volume; launch "
                           f"{shards} ranks per volume (torchrun --nproc-per-node={shards} -m scaffold.train ...)")
-    mesh = spatial.make_mesh(place.rank, place.world, shards, device.type)
+    mesh = spatial.make_mesh(place.rank, place.world, shards, device.type, cfg.parallel.timeout_s)
     sg = mesh.shards
     n_train, _ = dataset_sizes(cfg.data)
     if mesh.data_world > n_train:

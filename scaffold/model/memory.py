@@ -518,7 +518,8 @@ def shape_from_config(cfg: Any, device: str, recompute: str = "off", n_classes: 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: DDP, whose step is not captured
     shards = int(getattr(getattr(cfg, "parallel", None), "spatial_shards", 1) or 1)
     graph = device == "cuda" and cfg.cuda_graph != "off" and world == 1 and shards == 1
-    fused = device == "cuda" and getattr(cfg.ladder, "group_norm", "auto") != "vendor" and shards == 1
+    # The slab GroupNorm saves what the fused rungs save (its input and the statistics).
+    fused = device == "cuda" and getattr(cfg.ladder, "group_norm", "auto") != "vendor"
     if data_bytes is None:
         data_bytes = masks_on_device(cfg, device, capacity if capacity is not None else 1 << 62)
     return StepShape(cfg.scale, m.bottleneck, m.base_width, m.groups, 3,
@@ -628,8 +629,8 @@ def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 10
     shard holds whole, do not fit)."""
     n = 2
     while n <= min(most, 2**s.scale):
-        # sharded: no CUDA graph, and the slab GroupNorm is torch's ops (as shape_from_config has it)
-        if _fits(estimate(replace(s, depth_shards=n, graph=False, fused=False), warmup=warmup).need, capacity):
+        # sharded: no CUDA graph (as shape_from_config has it)
+        if _fits(estimate(replace(s, depth_shards=n, graph=False), warmup=warmup).need, capacity):
             return n
         n *= 2
     return None
