@@ -205,3 +205,21 @@ def test_one_process_cannot_shard_and_says_how_to_launch(tmp_path):
                cwd=tmp_path)
     assert done.returncode != 0 and "torchrun --nproc-per-node=2" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_a_failing_rank_ends_a_sharded_job_within_a_bound(fault, cache, tmp_path):
+    """Rank 1 of a volume's two shards dies (SIGKILL) or raises in its 2nd step, while rank 0 is in
+    the step's halo exchanges: the launch ends non-zero naming rank 1, never waiting out a collective."""
+    import re
+    import time
+
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}",
+           str(REPO / "tests" / "faults.py"), f"{fault}=1@2", *TINY, "epochs=2", f"data.cache_dir={cache}",
+           f"hydra.run.dir={tmp_path / 'run'}", "parallel.spatial_shards=2", "parallel.timeout_s=60"]
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert res.returncode != 0
+    assert re.search(r"rank\s*:\s*1\b", res.stderr), res.stderr[-3000:]
+    assert time.monotonic() - t0 < 90
