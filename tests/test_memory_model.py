@@ -20,11 +20,18 @@ def test_the_parameter_count_is_the_models(scale, bottleneck, width):
     assert param_count(scale, bottleneck, width, 3, 6) == sum(p.numel() for p in model.parameters())
 
 
-def _saved_bytes(scale: int, recompute: str, amp: bool, batch: int = 2) -> int:
-    """Bytes of the distinct storages autograd saves in one forward + loss (parameters excluded)."""
+def _saved_bytes(scale: int, recompute: str, amp: bool, batch: int = 2, ladder=None) -> int:
+    """Bytes of the distinct storages autograd saves in one forward + loss (parameters excluded), on
+    the vendor rungs or those `ladder` sets."""
+    from scaffold.model import census, set_ladder
+
     torch.manual_seed(0)
-    model = UNet3d(scale, 2, 8, 4, 3, 4).set_recompute(recompute)
+    model = UNet3d(scale, 2, 8, 4, 3, 4)
     loss = SegmentationLoss(torch.ones(4))
+    if ladder is not None:
+        set_ladder(model, ladder)
+        set_ladder(loss, ladder)
+    model.set_recompute(recompute)
     edge = 2**scale
     labels = torch.randint(0, 4, (batch, edge, edge, edge), dtype=torch.uint8)
     seen: dict[int, int] = {}
@@ -38,6 +45,7 @@ def _saved_bytes(scale: int, recompute: str, amp: bool, batch: int = 2) -> int:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             logits = model(make_input(labels, torch.rand(4, 3)))
         loss.terms(logits, labels)
+    assert census(model)["fallbacks"] == []
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in seen.items() if ptr not in params)
 
@@ -133,29 +141,10 @@ def test_the_saved_bytes_of_our_rungs_are_what_autograd_saves(recompute):
     The model leaves out the loss's class weights (4 bytes a class), which live as long as the run."""
     from scaffold.config import LadderConfig
     from scaffold.kernels.lib.device import triton_usable
-    from scaffold.model import census, set_ladder
 
     if not triton_usable(torch.empty(0)):
         pytest.skip("Triton cannot run here (no interpreter)")
-    torch.manual_seed(0)
     ladder = LadderConfig("vendor", "vendor", "triton", "triton", "triton", "triton")
-    model = UNet3d(3, 2, 8, 4, 3, 4)
-    set_ladder(model, ladder)
-    model.set_recompute(recompute)
-    loss = SegmentationLoss(torch.ones(4))
-    set_ladder(loss, ladder)
-    labels = torch.randint(0, 4, (2, 8, 8, 8), dtype=torch.uint8)
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss.terms(model(make_input(labels, torch.rand(4, 3))), labels)
-    assert census(model)["fallbacks"] == []
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = sum(n for ptr, n in seen.items() if ptr not in params)
+    saved = _saved_bytes(3, recompute, False, ladder=ladder)
     s = StepShape(3, 2, 8, 4, 3, 4, 2, False, "cpu", True, recompute, False)
     assert saved == walk(s).saved + 4 * 4  # the class weights
