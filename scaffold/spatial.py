@@ -342,11 +342,6 @@ def _own_slab(y: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
     return y[:, :, lo:hi].contiguous(memory_format=_layout(y))
 
 
-def max_shards(scale: int) -> int:
-    """The most ranks a volume can be split over: one plane each at full resolution."""
-    return 2 ** scale
-
-
 # ------------------------------------------------------------------------------------ loss and metrics
 
 class ShardedLoss(torch.nn.Module):
