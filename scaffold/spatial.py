@@ -43,7 +43,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from scaffold.model.ladder import VENDOR, FastConv3d, FastGroupNorm
 
@@ -123,9 +122,15 @@ def make_mesh(rank: int, world: int, spatial: int, device_type: str, timeout_s: 
 
 # --------------------------------------------------------------------------------------- collectives
 
-def _fixed_order_sum(t: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
+def _gather(t: torch.Tensor, sg: ShardGroup) -> list[torch.Tensor]:
+    """Every rank's `t`, in rank order."""
     parts = [torch.empty_like(t) for _ in range(sg.count)]
     dist.all_gather(parts, t.contiguous(), group=sg.group)
+    return parts
+
+
+def _fixed_order_sum(t: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
+    parts = _gather(t, sg)
     total = parts[0]
     for p in parts[1:]:
         total = total + p
@@ -284,9 +289,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
         ctx.sg, ctx.depth = sg, x.shape[2]
-        parts = [torch.empty_like(x) for _ in range(sg.count)]
-        dist.all_gather(parts, x.contiguous(), group=sg.group)
-        return torch.cat(parts, 2).contiguous(memory_format=_layout(x))
+        return torch.cat(_gather(x, sg), 2).contiguous(memory_format=_layout(x))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -3,7 +3,6 @@ its loss on a batch of volumes split over the shard group; rank 0 saves the whol
 (gathered), the loss and every parameter gradient for the test to compare with one process."""
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -11,9 +10,7 @@ import torch.distributed as dist
 
 
 def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int) -> None:
-    from scaffold.loss import SegmentationLoss
     from scaffold.metrics import hard_dice
-    from scaffold.model.unet import UNet3d
     from scaffold.spatial import ShardedLoss, all_sum, make_mesh, shard_model
     from tests.spatial_case import case
 

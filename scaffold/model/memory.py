@@ -39,19 +39,16 @@ them; `python -m scaffold.bench.memory` compares the prediction with the measure
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 GiB = 1 << 30
-RECOMPUTE_MODES = ("off", "blocks")
 # Share of the free memory a plan may use: the caching allocator rounds blocks up and fragments, and a
 # few kernels (cuDNN's directions of the routed convs) take workspace this model does not list.
 HEADROOM = 0.90
 # The model's stated accuracy: the scale check rejects a config only when even the prediction minus
 # this share exceeds the device, so an estimate that errs high never blocks a run that would fit.
 TOLERANCE = 0.15
-# Triton's backward-weight split-K partials are capped at this many bytes (scaffold.kernels.lib.splits).
-SPLIT_PARTIALS_CAP = 1 << 30
 
 
 @dataclass(frozen=True)
