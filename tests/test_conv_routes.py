@@ -71,3 +71,58 @@ def test_table_covers_every_site_of_the_measured_models_and_nothing_else():
     sm90 = {k for k in routes.ROUTES if k.startswith("sm90|bf16|")}
     assert sm90 == want[7] | want[8]
     assert all(len(v) == 3 and set(v) <= {routes.TRITON, routes.VENDOR} for v in routes.ROUTES.values())
+
+
+def test_shapes_beyond_32_bit_indices_are_found_from_input_or_output():
+    """cuDNN's int64 fallback is taken when the input or the output reaches 2^31 elements; the
+    scale-9 sites on either side of that line."""
+    s1, p1, d1 = (1, 1, 1), (1, 1, 1), (1, 1, 1)
+    assert routes.beyond_int32((1, 3, 512, 512, 512), (64, 3, 3, 3, 3), s1, p1, d1)  # output 8.6e9
+    assert routes.beyond_int32((1, 64, 256, 256, 256), (128, 64, 3, 3, 3), s1, p1, d1)  # output 2^31
+    assert not routes.beyond_int32((1, 64, 256, 256, 256), (64, 64, 3, 3, 3), s1, p1, d1)  # 2^30
+    assert not routes.beyond_int32((1, 128, 128, 128, 128), (256, 128, 3, 3, 3), s1, p1, d1)
+    # transposed, kernel = stride 2: (Cin, Cout, 2, 2, 2); the output is twice the edge
+    s2, p0 = (2, 2, 2), (0, 0, 0)
+    assert routes.beyond_int32((1, 128, 256, 256, 256), (128, 64, 2, 2, 2), s2, p0, d1, transposed=True)
+    assert not routes.beyond_int32((1, 256, 64, 64, 64), (256, 128, 2, 2, 2), s2, p0, d1, transposed=True)
+    # batch counts: 2 x 2^30 elements is beyond
+    assert routes.beyond_int32((2, 64, 256, 256, 256), (64, 64, 3, 3, 3), s1, p1, d1)
+
+
+def test_an_unmeasured_shape_beyond_32_bit_indices_routes_to_triton(monkeypatch):
+    """A shape missing from the table stays on vendor, unless cuDNN would index it with 64 bits: then
+    every direction goes to Triton (scale 9 spent a minute a step in cuDNN's int64 kernels)."""
+    monkeypatch.setattr(routes, "ROUTES", {})
+    big = torch.empty(1, 1, 1, 1, 1).expand(1, 3, 512, 512, 512)  # 4e8 elements, no memory
+    w = torch.empty(64, 3, 3, 3, 3)
+    assert routes.lookup(big, w, (1, 1, 1), (1, 1, 1), (1, 1, 1)) == (True, True, True)
+    small = torch.empty(1, 1, 1, 1, 1).expand(1, 3, 64, 64, 64)
+    assert routes.lookup(small, w, (1, 1, 1), (1, 1, 1), (1, 1, 1)) is None
+    # a measured key wins over the rule
+    key = routes.route_key("cpu", torch.float32, "conv", 3, 64, (3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1),
+                           (512, 512, 512))
+    monkeypatch.setattr(routes, "ROUTES", {key: ("vendor", "triton", "vendor")})
+    assert routes.lookup(big, w, (1, 1, 1), (1, 1, 1), (1, 1, 1)) == (False, True, False)
+
+
+def test_every_scale9_site_beyond_32_bit_indices_leaves_cudnn(monkeypatch):
+    """Each scale-9 conv site as the H200 looks it up (sm90, bf16): those past 2^31 elements that
+    the table never measured run every direction on Triton; the others keep the table's word."""
+    from scaffold.bench.conv import transposed
+
+    monkeypatch.setattr(routes, "arch_key", lambda device: "sm90")
+    large = 0
+    for s in conv_sites(9):
+        x = torch.empty((1,) * 5, dtype=torch.bfloat16).expand(*s.inputs[0])
+        w = torch.empty(s.weight, dtype=torch.bfloat16)
+        route = routes.lookup(x, w, s.stride, s.padding, s.dilation, transposed(s))
+        entry = routes.ROUTES.get(tune_routes.site_key(s, "sm90", torch.bfloat16))
+        if entry is not None:
+            assert route == tuple(r == routes.TRITON for r in entry)
+        elif routes.beyond_int32(s.inputs[0], s.weight, s.stride, s.padding, s.dilation, transposed(s)):
+            large += 1
+            assert route == (True, True, True), s.name
+        else:
+            assert route is None, s.name
+    # inc.conv1, inc.conv2, downs.0.conv1/conv2, ups.4.up, ups.5.up, ups.5.conv.conv1, outc
+    assert large >= 7

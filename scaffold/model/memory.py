@@ -561,6 +561,7 @@ class RecomputePlan:
     off: Estimate
     blocks: Estimate
     memory: DeviceMemory
+    blocks_eager: Optional[Estimate] = None  # with recompute, eager steps: where cuda_graph=auto may fall back
 
     @property
     def chosen(self) -> Estimate:
@@ -569,8 +570,19 @@ class RecomputePlan:
     def line(self) -> str:
         """One start-up line: the prediction, the free memory and the choice."""
         g = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
-        fits = "" if self.chosen.need <= self.memory.free * HEADROOM else " (predicted NOT to fit)"
-        return (f"memory: the run needs ~{g(self.off.need)} without recompute, ~{g(self.blocks.need)} with; "
+        need = self.chosen.need
+        with_ = f"~{g(self.blocks.need)} with"
+        if self.blocks_eager is not None:  # the graphed figures, and the eager fallback's
+            with_ += f" (as a CUDA graph; ~{g(self.blocks_eager.need)} in eager steps)"
+            if self.mode == "blocks":
+                need = min(need, self.blocks_eager.need)
+        if need <= self.memory.free * HEADROOM:
+            fits = ""
+        elif need <= self.memory.free:
+            fits = f" (tight: past {HEADROOM:.0%} of the free memory)"
+        else:
+            fits = " (predicted NOT to fit)"
+        return (f"memory: the run needs ~{g(self.off.need)} without recompute, {with_}; "
                 f"{g(self.memory.free)} free on {self.memory.name}: model.recompute={self.setting} -> "
                 f"{self.mode}{fits}")
 
@@ -599,8 +611,11 @@ def plan_recompute(cfg: Any, device: Any, n_classes: Optional[int] = None,
     off = estimate(shape_from_config(cfg, device.type, "off", n_classes, data_bytes, memory.total),
                    evaluate, warmup)
     blocks = estimate(replace(off.shape, recompute="blocks"), evaluate, warmup)
+    eager = None
+    if blocks.shape.graph and getattr(cfg, "cuda_graph", "") == "auto":
+        eager = estimate(replace(blocks.shape, graph=False), evaluate, warmup)
     setting = getattr(cfg.model, "recompute", "auto")
-    return RecomputePlan(choose(setting, off, memory), setting, off, blocks, memory)
+    return RecomputePlan(choose(setting, off, memory), setting, off, blocks, memory, eager)
 
 
 # --- the scale check ---------------------------------------------------------------------------------

@@ -6,7 +6,10 @@ cuDNN with deterministic algorithms (through ATen, as the vendor rung runs them 
 `auto` takes the faster of the two per direction. Both sides are deterministic, and the route is a
 table lookup on (arch, dtype, op, channels, geometry, spatial size), never a timing race at run time,
 so a run's bits depend only on (device, dtype, shape) as before. A shape not in the table is not
-routed: `auto` runs it all on vendor (`ladder.conv=triton` forces every direction onto Triton).
+routed: `auto` runs it all on vendor (`ladder.conv=triton` forces every direction onto Triton), except
+a shape where an operand has 2^31 elements or more (`beyond_int32`): there cuDNN leaves its tiled
+kernels for direct convolutions with 64-bit indices, measured on the H200 at scale 9 up to a thousand
+times slower than our kernels (whose offsets are int64 throughout), so such a shape runs on Triton.
 
 `python -m scaffold.bench.tune_routes` times both sides per site and direction on the GPU the table is for and
 rewrites the ROUTES block below. Keys: arch|dtype|op|cin>cout|geometry|DxHxW of the conv's input
@@ -89,11 +92,37 @@ def route_key(arch: str, dtype: torch.dtype, op: str, cin: int, cout: int, kerne
             + "x".join(str(int(s)) for s in spatial))
 
 
+INT32_MAX = 2**31 - 1
+
+
+def beyond_int32(x_shape: Sequence[int], w_shape: Sequence[int], stride, padding, dilation,
+                 transposed: bool = False) -> bool:
+    """Whether a conv call's input or output has more elements than a 32-bit index reaches (the
+    weight is small), for kernel = stride transposed convs with no padding as the model makes them.
+    Shapes are (N, C, D, H, W); the weight is (Cout, Cin, k...) or (Cin, Cout, k...) transposed."""
+    n = int(x_shape[0])
+    if transposed:
+        cout = int(w_shape[1])
+        out = [int(s) * int(st) for s, st in zip(x_shape[2:], stride)]
+    else:
+        cout = int(w_shape[0])
+        out = [(int(s) + 2 * int(p) - int(d) * (int(k) - 1) - 1) // int(st) + 1
+               for s, k, st, p, d in zip(x_shape[2:], w_shape[2:], stride, padding, dilation)]
+    numel_in = 1
+    for s in x_shape:
+        numel_in *= int(s)
+    numel_out = n * cout
+    for s in out:
+        numel_out *= max(s, 0)
+    return max(numel_in, numel_out) > INT32_MAX
+
+
 def lookup(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
            transposed: bool = False) -> Optional[tuple[bool, bool, bool]]:
     """(forward, backward-data, backward-weight) on Triton? for this call, or None when its shape was
-    never measured. The dtype is the one the conv computes in (autocast's, when it is on). Metadata
-    only: no host sync."""
+    never measured and fits 32-bit indices (all Triton when it does not: see the module's docstring).
+    The dtype is the one the conv computes in (autocast's, when it is on). Metadata only: no host
+    sync."""
     kind = x.device.type
     autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
     dtype = torch.get_autocast_dtype(kind) if autocast else x.dtype
@@ -104,4 +133,7 @@ def lookup(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
                     tuple(weight.shape[2:]), tuple(stride), tuple(padding), tuple(dilation),
                     tuple(x.shape[2:]))
     entry = ROUTES.get(key)
-    return None if entry is None else tuple(rung == TRITON for rung in entry)
+    if entry is None:
+        large = beyond_int32(x.shape, weight.shape, stride, padding, dilation, transposed)
+        return (True, True, True) if large else None
+    return tuple(rung == TRITON for rung in entry)
