@@ -33,6 +33,7 @@ import torch
 
 from scaffold import checkpoint, determinism, distributed, spatial
 from scaffold.data.loader import make_input
+from scaffold.kernels.lib.ahead import compile_ahead
 from scaffold.metrics import hard_dice, per_sample_loss
 from scaffold.stats import StatsFile, load_average
 from scaffold.step import EvalGraph, TrainStep, amp_dtype, keep_lr_on_device, make_optimizer
@@ -332,7 +333,9 @@ class Trainer:
     def warmup(self, steps: int) -> float:
         """Untimed steps and one evaluation batch on a copy of the model and optimizer (compilation,
         allocation); returns seconds. The real model, optimizer and RNG streams are untouched, so the
-        trajectory does not change."""
+        trajectory does not change. A step and an evaluation batch first run with their Triton launches
+        turned into compilations on a thread pool (scaffold.kernels.lib.ahead: a cold start compiles
+        in parallel); they only prime the caches, and the copy is thrown away."""
         if steps <= 0:
             return 0.0
         t0 = time.perf_counter()
@@ -340,6 +343,10 @@ class Trainer:
         net = copy.deepcopy(self.model)
         step = self._train_step(net, make_optimizer(net.parameters(), self.cfg))
         masks = self.vol.first(self.vol.train, self.cfg.batch_size)
+        with compile_ahead() as ahead:
+            if ahead:
+                step(masks)
+                self.eval_batch(net, self.vol.first(self.vol.val, self.cfg.batch_size))
         for _ in range(steps):
             step(masks)
         self.eval_batch(net, self.vol.first(self.vol.val, self.cfg.batch_size))

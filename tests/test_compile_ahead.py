@@ -1,0 +1,95 @@
+"""Compile-ahead (scaffold.kernels.lib.ahead): launches inside the block only compile, on a pool, and the
+kernels are in Triton's caches when it ends; where that cannot run, the block runs its work as usual."""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from scaffold.kernels.lib import ahead  # noqa: E402
+
+
+def test_inside_the_block_a_launch_is_a_warmup_and_outside_it_is_not(monkeypatch):
+    """The wrapper hands Triton's own `warmup` flag through, forced on while a block is open, so a
+    launch compiles without running; outside a block launches run (the flag as given)."""
+    from triton.runtime.jit import JITFunction
+
+    seen = []
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        seen.append(warmup)
+        return "kernel"
+
+    monkeypatch.setattr(JITFunction, "run", fake_run)
+    monkeypatch.setattr(ahead, "_PATCHED", False)
+    monkeypatch.setattr(ahead, "available", lambda: True)
+
+    class Mode:  # stands in for Triton's AsyncCompileMode: records that it was entered and left
+        events = []
+
+        def __init__(self, executor):
+            self.executor = executor
+
+        def __enter__(self):
+            Mode.events.append("enter")
+            return self
+
+        def __exit__(self, *exc):
+            Mode.events.append("exit")
+
+    monkeypatch.setattr(ahead, "_async_mode", lambda: Mode)
+    fn = object.__new__(JITFunction)
+    with ahead.compile_ahead(threads=2) as on:
+        assert on
+        JITFunction.run(fn, grid=(1,), warmup=False)
+    JITFunction.run(fn, grid=(1,), warmup=False)
+    JITFunction.run(fn, grid=(1,), warmup=True)
+    assert seen == [True, False, True]
+    assert Mode.events == ["enter", "exit"]
+
+
+def test_where_it_cannot_run_the_block_runs_its_work_as_usual(monkeypatch):
+    monkeypatch.setattr(ahead, "available", lambda: False)
+    ran = []
+    with ahead.compile_ahead() as on:
+        ran.append(on)
+    assert ran == [False]
+    assert not ahead._DRY.get()
+
+
+def test_not_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not ahead.available()
+
+
+@pytest.mark.gpu
+def test_a_kernel_compiled_ahead_is_not_run_then_runs_without_compiling(tmp_path, monkeypatch):
+    """On CUDA with a cold cache: a launch in the block leaves its output untouched; after the block the
+    same launch runs and compiles nothing more."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not ahead.available():
+        pytest.skip("this Triton has no asynchronous compile mode")
+    import triton.language as tl
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+    @triton.jit
+    def fill(out_ptr, value, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, value, mask=offs < n)
+
+    compiled = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda *a, **k: compiled.append(1))
+    out = torch.zeros(1000, device="cuda")
+    with ahead.compile_ahead(threads=4) as on:
+        assert on
+        fill[(8,)](out, 3.0, 1000, BLOCK=128)
+        fill[(8,)](out, 3.0, 1000, BLOCK=256)
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(out).item() == 0  # nothing ran
+    assert len(compiled) == 2  # both specializations compiled, installed on leaving
+    fill[(8,)](out, 3.0, 1000, BLOCK=128)
+    torch.cuda.synchronize()
+    assert torch.all(out == 3.0).item()
+    assert len(compiled) == 2  # the launch found its kernel compiled
