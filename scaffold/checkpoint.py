@@ -166,47 +166,84 @@ def repair_best(folder: Path, state: dict[str, Any], loaded_from: Path) -> Optio
 
 
 class Writer:
-    """Writes checkpoints off the training's critical path: at most one write in flight.
+    """Writes checkpoints off the training's critical path: at most one write in flight, and the host
+    waits for none of them at an epoch's end.
 
     `submit(state, best)` snapshots every tensor of `state` into host buffers (pinned on CUDA, reused
     from one checkpoint to the next) with copies queued on a side stream, makes the training stream
     wait for those copies before it runs on (a device-side dependency: the host never waits), and hands
-    the rest to a writer thread: wait for the copies, torch.save with its checksum, atomic rename, then
-    the `best` copy. A kill at any moment leaves the previous `last` and `best` (each written whole or
-    not at all), so the guarantees of `save` hold. The next `submit` (or `flush`) waits for the write
-    before it, and re-raises its error (a full disk) as a CheckpointError."""
+    the snapshot to a writer thread: wait for the copies, torch.save with its checksum, atomic rename,
+    then the `best` copy. A kill at any moment leaves the previous `last` and `best` (each written whole
+    or not at all), so the guarantees of `save` hold.
+
+    When a write is still going at `submit`, the new snapshot waits as the *pending* one, in a second set
+    of buffers, and is written when the write before it ends. A newer snapshot replaces a pending one
+    (the newest state is the one worth writing), except that a `best` snapshot is never replaced by a
+    non-best one: that `submit` waits until the writer has taken the best one. So `last` on disk trails
+    the training by at most the write in flight, `best` is never lost, and the host waits only in that
+    case and in `flush`. A failed write (a full disk) drops what was pending and surfaces, once, as a
+    CheckpointError from the next `submit` or `flush`."""
 
     def __init__(self, folder: Path, background: bool = True):
+        import threading
+
         self.folder = Path(folder)
         self.background = background
-        self.thread = None
+        self.thread = None  # the writer thread while it has work
         self.error: Optional[BaseException] = None
-        self.buffers: dict[int, torch.Tensor] = {}  # by position in the state's tensor list
-        self.waited_s = 0.0  # host time spent waiting for an earlier write (ideally zero)
+        self.buffers: list[dict[int, torch.Tensor]] = [{}, {}]  # two sets, by tensor position
+        self.waited_s = 0.0  # host time spent waiting for the writer (ideally zero until the end)
+        self._cv = threading.Condition()
+        self._pending: Optional[tuple[int, dict, Any, bool]] = None  # (buffer set, snapshot, event, best)
+        self._writing: Optional[int] = None  # the buffer set being written
+        self._stream = None  # the side stream of the snapshot copies (one: copies stay in order)
 
     def submit(self, state: dict[str, Any], best: bool) -> None:
-        self.flush()
+        import time
+
         if not self.background:
+            self._raise()
             save(self.folder / LAST, state)
             if best:
                 mark_best(self.folder)
             return
-        snapshot, done = self._snapshot(state)
-        import threading
+        t0 = time.perf_counter()
+        with self._cv:
+            while self._pending is not None and self._pending[3] and not best and self.error is None:
+                self._cv.wait()  # the pending best must be taken before anything replaces it
+            self.waited_s += time.perf_counter() - t0
+            self._raise()
+            if self._pending is not None:
+                index = self._pending[0]  # not taken yet: its buffers are free to overwrite
+            else:
+                index = 0 if self._writing != 0 else 1
+            snapshot, done = self._snapshot(state, self.buffers[index])
+            self._pending = (index, snapshot, done, best)
+            if self.thread is None:
+                import threading
 
-        self.thread = threading.Thread(target=self._write, args=(snapshot, done, best),
-                                       name="checkpoint-writer", daemon=True)
-        self.thread.start()
+                self.thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
+                self.thread.start()
+            self._cv.notify_all()
+
+    def busy(self) -> bool:
+        """Whether a write is in flight or pending."""
+        with self._cv:
+            return self.thread is not None
 
     def flush(self) -> None:
-        """Wait for the write in flight; raise its error."""
-        if self.thread is not None:
-            import time
+        """Wait for the write in flight and the pending one; raise an error of theirs."""
+        import time
 
-            t0 = time.perf_counter()
-            self.thread.join()
+        t0 = time.perf_counter()
+        with self._cv:
+            while self.thread is not None:
+                self._cv.wait()
             self.waited_s += time.perf_counter() - t0
-            self.thread = None
+            self._raise()
+
+    def _raise(self) -> None:
+        """Raise a failed write's error once (called with the lock held, or without a writer)."""
         if self.error is not None:
             error, self.error = self.error, None
             if isinstance(error, CheckpointError):
@@ -214,9 +251,9 @@ class Writer:
             raise CheckpointError(f"{self.folder / LAST}: the background write failed "
                                   f"({type(error).__name__}: {error})") from error
 
-    def _snapshot(self, state: dict[str, Any]):
-        """A copy of `state` whose tensors live in this writer's host buffers; the event that says the
-        copies are done (None on the CPU, where they are done on return)."""
+    def _snapshot(self, state: dict[str, Any], buffers: dict[int, torch.Tensor]):
+        """A copy of `state` whose tensors live in `buffers` (one of this writer's sets); the event
+        that says the copies are done (None on the CPU, where they are done on return)."""
         tensors: list[torch.Tensor] = []
 
         def collect(obj):
@@ -231,16 +268,19 @@ class Writer:
 
         skeleton = collect(state)
         cuda = [t for t in tensors if t.is_cuda]
-        stream = torch.cuda.Stream(cuda[0].device) if cuda else None
-        if stream is not None:
+        stream = None
+        if cuda:
+            if self._stream is None or self._stream.device != cuda[0].device:
+                self._stream = torch.cuda.Stream(cuda[0].device)
+            stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(cuda[0].device))
         copies = []
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             for i, t in enumerate(tensors):
-                buf = self.buffers.get(i)
+                buf = buffers.get(i)
                 if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                     buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-                    self.buffers[i] = buf
+                    buffers[i] = buf
                 buf.copy_(t.detach(), non_blocking=t.is_cuda)
                 copies.append(buf)
         done = None
@@ -261,15 +301,30 @@ class Writer:
 
         return rebuild(skeleton), done
 
-    def _write(self, snapshot: dict[str, Any], done, best: bool) -> None:
-        try:
-            if done is not None:
-                done.synchronize()  # this thread waits for the copies; training does not
-            save(self.folder / LAST, snapshot)
-            if best:
-                mark_best(self.folder)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by flush()
-            self.error = e
+    def _loop(self) -> None:
+        """The writer thread: write the pending snapshot until there is none (or a write fails)."""
+        while True:
+            with self._cv:
+                if self._pending is None or self.error is not None:
+                    self._pending = None  # after a failure nothing more is written on top of it
+                    self._writing, self.thread = None, None
+                    self._cv.notify_all()
+                    return
+                index, snapshot, done, best = self._pending
+                self._pending, self._writing = None, index
+                self._cv.notify_all()
+            try:
+                if done is not None:
+                    done.synchronize()  # this thread waits for the copies; training does not
+                save(self.folder / LAST, snapshot)
+                if best:
+                    mark_best(self.folder)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+                with self._cv:
+                    self.error = e
+            finally:
+                with self._cv:
+                    self._writing = None
 
 
 class _nothing:

@@ -235,6 +235,7 @@ class Trainer:
         self.rows: list[dict[str, Any]] = []  # the CSV rows so far, kept in checkpoints
         self.position: Optional[Position] = None  # set by a resume from an interrupted epoch
         self.writer = checkpoint.Writer(self.run_dir / "checkpoints", background=True)
+        self.final_wait_s = 0.0  # the host's wait, at the target epoch, for the last writes to land
         self.eval_graph: Optional[EvalGraph] = None
         self.stop = StopRequest()
         self.on_first_step = None  # callback() after the first real step (the census)
@@ -503,13 +504,14 @@ class Trainer:
             p.wall_time += time.perf_counter() - wall0
             if due and self.place.is_main:
                 t0 = time.perf_counter()
-                self.writer.submit(self.state(), is_best)  # waits for the write before it, if still going
+                self.writer.submit(self.state(), is_best)  # queued behind a write in flight, if any
                 p.wall_time += time.perf_counter() - t0
             if p.target_epoch is not None:
                 # The run ends here: the user waits for the last write too, so it counts.
                 t0 = time.perf_counter()
                 self.writer.flush()
-                p.wall_time += time.perf_counter() - t0
+                self.final_wait_s = time.perf_counter() - t0
+                p.wall_time += self.final_wait_s
                 p.time_to_target = p.wall_time
             if stop_signum:
                 self.writer.flush()

@@ -46,32 +46,93 @@ def test_the_snapshot_is_taken_at_submit_on_the_gpu(tmp_path):
     _check_snapshot("cuda", tmp_path)
 
 
+class _Gate:
+    """checkpoint.save that records each write's epoch and holds the first one until released
+    (optionally failing it with a full disk)."""
+
+    def __init__(self, monkeypatch, fail_first: bool = False):
+        self.calls, self.started, self.release = [], threading.Event(), threading.Event()
+        self.real, self.fail_first = checkpoint.save, fail_first
+        monkeypatch.setattr(checkpoint, "save", self)
+
+    def __call__(self, path, state):
+        self.calls.append(state["epoch"])
+        if len(self.calls) == 1:
+            self.started.set()
+            assert self.release.wait(timeout=60)
+            if self.fail_first:
+                raise checkpoint.CheckpointError(f"{path}: cannot write the checkpoint "
+                                                 f"({__import__('os').strerror(errno.ENOSPC)})")
+        self.real(path, state)
+
+
+def _epoch(n: int, value: float = 1.0) -> dict:
+    return dict(_state(torch.full((4,), value)), epoch=n)
+
+
 def test_one_write_in_flight_and_errors_surface_once(tmp_path, monkeypatch):
     writer = checkpoint.Writer(tmp_path)
-    started, release = threading.Event(), threading.Event()
-    real = checkpoint.save
-    calls = []
-
-    def slow_then_full(path, state):
-        calls.append(state["epoch"])
-        if len(calls) == 1:
-            started.set()
-            release.wait(timeout=60)
-            raise checkpoint.CheckpointError(f"{path}: cannot write the checkpoint "
-                                             f"({__import__('os').strerror(errno.ENOSPC)})")
-        real(path, state)
-
-    monkeypatch.setattr(checkpoint, "save", slow_then_full)
-    writer.submit(_state(torch.ones(4)), best=False)
-    assert started.wait(timeout=60)
-    assert writer.thread.is_alive()  # submit returned while the write goes on
-    release.set()
+    gate = _Gate(monkeypatch, fail_first=True)
+    writer.submit(_epoch(1), best=False)
+    assert gate.started.wait(timeout=60)
+    writer.submit(_epoch(2), best=False)  # returns at once: pending behind the write in flight
+    assert writer.thread.is_alive() and gate.calls == [1]  # one write in flight, not two
+    gate.release.set()
     with pytest.raises(checkpoint.CheckpointError, match="No space left on device"):
-        writer.submit(dict(_state(torch.ones(4)), epoch=2), best=False)  # waits for the first, raises
-    assert calls == [1]  # the second was not started on top of a failed first
-    writer.submit(dict(_state(torch.ones(4)), epoch=2), best=False)
+        writer.flush()
+    assert gate.calls == [1]  # the pending one was not written on top of a failed write
+    writer.flush()  # the error surfaced once
+    writer.submit(_epoch(3), best=False)
     writer.flush()
-    assert checkpoint.load_one(tmp_path / "last.pt")["epoch"] == 2
+    assert checkpoint.load_one(tmp_path / "last.pt")["epoch"] == 3
+
+
+def test_the_host_does_not_wait_for_a_write_in_flight_and_the_newest_pending_wins(tmp_path, monkeypatch):
+    """Two submits behind a held write both return; the newer replaces the older pending snapshot,
+    and its values are those at its submit."""
+    writer = checkpoint.Writer(tmp_path)
+    gate = _Gate(monkeypatch)
+    writer.submit(_epoch(1, 1.0), best=False)
+    assert gate.started.wait(timeout=60)
+    writer.submit(_epoch(2, 2.0), best=False)
+    w = torch.full((4,), 3.0)
+    writer.submit(dict(_state(w), epoch=3), best=False)
+    w.fill_(-1.0)  # training goes on; the pending snapshot holds the value at submit
+    assert writer.waited_s < 30 and gate.calls == [1]
+    gate.release.set()
+    writer.flush()
+    assert gate.calls == [1, 3]
+    saved = checkpoint.load_one(tmp_path / "last.pt")
+    assert saved["epoch"] == 3 and torch.equal(saved["model"]["w"], torch.full((4,), 3.0))
+
+
+def test_a_pending_best_is_written_before_a_newer_non_best_replaces_anything(tmp_path, monkeypatch):
+    """A best snapshot pending behind a write is never dropped for a later non-best one: that submit
+    waits until the writer has taken the best, then queues behind it."""
+    writer = checkpoint.Writer(tmp_path)
+    gate = _Gate(monkeypatch)
+    writer.submit(_epoch(1, 1.0), best=True)
+    assert gate.started.wait(timeout=60)
+    writer.submit(_epoch(2, 2.0), best=True)
+    third = threading.Thread(target=writer.submit, args=(_epoch(3, 3.0), False))
+    third.start()  # blocks until epoch 2 is taken; the held first write keeps it pending
+    gate.release.set()
+    third.join(timeout=60)
+    assert not third.is_alive()
+    writer.flush()
+    assert gate.calls == [1, 2, 3]
+    assert checkpoint.load_one(tmp_path / "best.pt")["epoch"] == 2
+    assert checkpoint.load_one(tmp_path / "last.pt")["epoch"] == 3
+    # a newer best does replace a pending best
+    gate2 = _Gate(monkeypatch)
+    writer.submit(_epoch(4), best=False)
+    assert gate2.started.wait(timeout=60)
+    writer.submit(_epoch(5), best=True)
+    writer.submit(_epoch(6), best=True)
+    gate2.release.set()
+    writer.flush()
+    assert gate2.calls == [4, 6]
+    assert checkpoint.load_one(tmp_path / "best.pt")["epoch"] == 6
 
 
 def test_time_to_target_is_the_wall_clock_from_the_first_step(cache, tmp_path):
@@ -81,6 +142,7 @@ def test_time_to_target_is_the_wall_clock_from_the_first_step(cache, tmp_path):
     assert rows["time_to_target_s"] == result["time_to_target_s"]
     # Everything of the epoch counts: at least its training and evaluation, plus what came after.
     assert result["time_to_target_s"] >= result["train_time_s"] > 0
+    assert 0.0 <= result["checkpoint_final_wait_s"] <= result["checkpoint_wait_s"]
     assert set(result["startup"]) == {"dataset_s", "model_s", "warmup_s", "capture_s"}
     assert result["startup_s"] >= sum(result["startup"].values())
 
