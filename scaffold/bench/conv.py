@@ -284,9 +284,14 @@ def main(argv=None) -> int:
                    help="wall: as launched from Python (host launch cost included where it "
                         "dominates); device: CUDA-graph replays, the device time alone; host: the "
                         "host's launch cost alone")
+    p.add_argument("--reps", type=int, default=0,
+                   help="timed repetitions per direction (default: %s by timer); 1 for sizes where a "
+                        "call takes seconds (scale 9)" % ", ".join(f"{k} {v}" for k, v in REPS.items()))
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args(argv)
     scales = parse_scales(p, args.scale)
+    if args.reps > 0:
+        REPS[args.timer] = args.reps
     if not torch.cuda.is_available():
         print("scaffold.bench.conv: needs a CUDA GPU (cuDNN is the baseline)", file=sys.stderr)
         return 2
