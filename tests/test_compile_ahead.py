@@ -93,3 +93,13 @@ def test_a_kernel_compiled_ahead_is_not_run_then_runs_without_compiling(tmp_path
     torch.cuda.synchronize()
     assert torch.all(out == 3.0).item()
     assert len(compiled) == 2  # the launch found its kernel compiled
+
+
+def test_the_compiler_threads_are_shared_between_the_processes_of_a_node(monkeypatch):
+    monkeypatch.setattr(ahead.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ahead.workers() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ahead.workers() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert ahead.workers() == 1

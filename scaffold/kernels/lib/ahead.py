@@ -68,12 +68,17 @@ def _patch() -> None:
 
 
 def workers() -> int:
-    """Compiler threads: the CPUs this process may use, at most 32."""
+    """Compiler threads: the CPUs this process may use, shared with the other processes torchrun
+    started on this node (LOCAL_WORLD_SIZE), at most 32."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(32, cpus))
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(32, cpus // local))
 
 
 @contextlib.contextmanager
