@@ -2,6 +2,8 @@
 against the real model on the CPU; what `model.recompute=auto` picks; the scale check's one line."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -165,3 +167,20 @@ def test_the_recompute_line_gives_the_eager_need_where_a_graph_would_not_fit(tmp
     # graphs off: one figure, no fallback to mention
     cfg.cuda_graph = "off"
     assert memory.plan_recompute(cfg, "cuda", 6, memory=h200).blocks_eager is None
+
+
+@pytest.mark.parametrize("scale, shards, amp, recompute", [
+    (4, 2, False, "off"), (4, 4, True, "off"), (3, 4, False, "off"), (4, 2, True, "blocks")])
+def test_the_saved_bytes_of_a_sharded_step_are_what_autograd_saves(scale, shards, amp, recompute, tmp_path):
+    """Exact, per rank, for volumes split over 2 or 4 gloo ranks: the slabs with their halo planes,
+    the levels too thin to split kept whole on every rank (scale 3 over 4 ranks: level 2 has 2
+    planes), the gather where the split ends and the cut back to slabs on the way up."""
+    from test_spatial import torchrun
+
+    from helpers import REPO
+
+    torchrun(shards, [str(tmp_path), str(scale), str(shards), "bf16" if amp else "fp32", recompute], tmp_path,
+             entry=(str(REPO / "tests" / "spatial_saved_worker.py"),))
+    s = StepShape(scale, 2, 8, 4, 3, 4, 2, amp, "cpu", False, recompute, False, depth_shards=shards)
+    got = {json.loads((tmp_path / f"{r}.json").read_text())["saved"] for r in range(shards)}
+    assert got == {walk(s).saved}

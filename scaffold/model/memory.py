@@ -69,16 +69,26 @@ class StepShape:
     graph: bool = False  # the step captured as a CUDA graph
     data_bytes: int = 0  # masks kept on the device beside the step (the trainer keeps the dataset)
     data_parallel: bool = False  # under DDP, whose gradient buckets hold a second copy of the gradients
-    depth_shards: int = 1  # D split over this many devices, each holding 1/shards of every volume and
-    # of the activations (halos neglected), and all the parameters
+    depth_shards: int = 1  # D split over this many devices (scaffold.spatial): each holds all the
+    # parameters, a D-slab of every volume and of each split level's activations (a level is split
+    # while its edge has at least one plane per shard; deeper levels run whole on every shard)
 
     @property
     def levels(self) -> int:
         return self.scale - self.bottleneck
 
-    def voxels(self, level: int) -> int:
+    def split(self, level: int) -> bool:
+        """Whether `level`'s tensors are D-slabs (scaffold.spatial.sharded_levels)."""
+        return self.depth_shards > 1 and 2 ** (self.scale - level) >= self.depth_shards
+
+    def voxels(self, level: int, whole: bool = False, halo: bool = False) -> int:
+        """Voxels per device of a tensor at `level`: its slab where the level is split (with the two
+        halo planes when `halo`), the whole volume where it is not or when `whole`."""
         edge = 2 ** (self.scale - level)
-        return self.batch * edge**3 // self.depth_shards
+        if whole or not self.split(level):
+            return self.batch * edge**3
+        planes = edge // self.depth_shards + (2 if halo else 0)
+        return self.batch * planes * edge**2
 
 
 # --- parameters ------------------------------------------------------------------------------------
@@ -131,8 +141,10 @@ class _Builder:
     def op(self, ins, outs, **kw) -> None:
         self.ops.append(_Op(tuple(ins), tuple(outs), segment=self.segment, **kw))
 
-    def act(self, channels: int, level: int, nbytes: Optional[int] = None, grad: bool = True) -> _T:
-        return _T(channels * self.s.voxels(level) * (self.a if nbytes is None else nbytes), grad)
+    def act(self, channels: int, level: int, nbytes: Optional[int] = None, grad: bool = True,
+            whole: bool = False, halo: bool = False) -> _T:
+        size = self.a if nbytes is None else nbytes
+        return _T(channels * self.s.voxels(level, whole, halo) * size, grad)
 
     def conv(self, x: _T, cin: int, cout: int, level: int, taps: int = 27, bias: bool = False,
              cast_input: bool = False) -> _T:
@@ -140,25 +152,39 @@ class _Builder:
         backward keeps both; the weight's bf16 gradient is cast to the fp32 parameter's."""
         numel = taps * cin * cout
         wcopy = [_T(2 * numel, grad=False)] if self.s.amp else []  # its gradient is `grad_temp`
+        halo = taps == 27 and self.s.split(level)  # scaffold.spatial.HaloConv3d: D + 2 planes, then cut
+        if halo:
+            xe = _T(x.nbytes // self.s.voxels(level) * self.s.voxels(level, halo=True), x.grad)
+            self.op([x], [xe])
+            x = xe
         if cast_input:  # the stem's fp32 input: autocast makes a bf16 copy, which the conv keeps
-            x16 = self.act(cin, level, grad=False)
+            x16 = self.act(cin, level, grad=False, halo=halo)
             self.op([x], [x16])
             x = x16
-        y = self.act(cout, level)
+        y = self.act(cout, level, halo=halo)
         for w in wcopy:
             self.op([], [w])
         self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=4 * (numel + (cout if bias else 0)),
                 grad_temp=2 * numel if self.s.amp else 0)
+        if halo:  # the slab's planes of the output, copied out
+            slab = self.act(cout, level)
+            self.op([y], [slab])
+            y = slab
         return y
 
     def conv_transpose(self, x: _T, cin: int, cout: int, level: int) -> _T:
         numel = 8 * cin * cout
         wcopy = [_T(2 * numel, grad=False)] if self.s.amp else []
-        y = self.act(cout, level)
+        cut = self.s.split(level) and not self.s.split(level + 1)  # whole below: made whole, then cut
+        y = self.act(cout, level, whole=cut)
         for w in wcopy:
             self.op([], [w])
         self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=4 * (numel + cout),
                 grad_temp=2 * numel if self.s.amp else 0)
+        if cut:
+            slab = self.act(cout, level)
+            self.op([y], [slab])
+            y = slab
         return y
 
     def norm(self, x: _T, channels: int, level: int) -> _T:
@@ -168,7 +194,11 @@ class _Builder:
         s = self.s
         stats = _T(2 * 4 * s.batch * s.groups, grad=False)  # mean and rstd per (sample, group)
         y = self.act(channels, level)
-        if s.fused:
+        if s.split(level):  # scaffold.spatial's slab GroupNorm: keeps its input and the statistics;
+            # works in fp32 (the input's fp32 view or copy, the deviations, the output before its cast)
+            work = 4 * channels * s.voxels(level) * (2 if self.a == 4 else 3)
+            self.op([x], [y, stats], saved=(x, stats), param_grad=8 * channels, work=work)
+        elif s.fused:
             self.op([x], [y, stats], saved=(x, stats), param_grad=8 * channels)
         elif s.amp and s.device == "cuda":
             x32, y32 = self.act(channels, level, 4), self.act(channels, level, 4)
@@ -181,7 +211,12 @@ class _Builder:
 
     def pool(self, x: _T, channels: int, level: int) -> _T:
         """2x2x2 max pool to `level`: keeps a uint8 index per output. torch's formulation copies the
-        windows and takes an int64 index first."""
+        windows and takes an int64 index first. Where the split ends, its input is first gathered
+        whole on every shard (scaffold.spatial.gather_depth)."""
+        if self.s.split(level - 1) and not self.s.split(level):
+            whole = self.act(channels, level - 1, whole=True)
+            self.op([x], [whole])
+            x = whole
         y = self.act(channels, level)
         index = self.act(channels, level, 1, grad=False)
         work = 0 if self.s.fused else x.nbytes + 8 * channels * self.s.voxels(level)
@@ -220,14 +255,18 @@ class _Builder:
         fp32 log-probabilities, the one-hot target, per-voxel weights and the foreground
         probabilities."""
         s, c, v = self.s, self.s.n_classes, self.s.voxels(0)
-        if s.fused:
+        if s.fused and s.depth_shards == 1:
             sums = _T(4 * s.batch * (3 * c + 2), grad=False)  # per sample: CE terms, then 3 per class
             self.op([logits, labels], [sums], saved=(logits, labels, sums))
             return
         # log-probs, one-hot, per-voxel weights, foreground probabilities; then the Dice terms per
-        # sample and class, their mask, and the CE denominator
+        # sample and class, their mask, and the CE denominator. Over slabs (scaffold.spatial.ShardedLoss,
+        # these formulas on every device) the CE's two sums are views of the shard group's summed
+        # partials (2 + 3 per sample and class), which are kept whole.
+        bc = s.batch * (c - 1)
+        tail = 9 * bc + 4 if s.depth_shards == 1 else 9 * bc + 4 * (2 + 3 * bc)
         kept = [_T(4 * c * v), _T(c * v, grad=False), _T(4 * v, grad=False), _T(4 * (c - 1) * v),
-                _T(9 * s.batch * (c - 1) + 4, grad=False)]
+                _T(tail, grad=False)]
         self.op([logits, labels], kept, saved=tuple(kept), work=4 * c * v)
 
 
