@@ -21,8 +21,9 @@ every activation; the parameters are whole on every rank. What crosses slab boun
 - where the depth runs out (a level with fewer planes than ranks: S > 2^model.bottleneck), the Down
   block gathers its input whole on every rank of the group, the levels below run whole and
   identically on each, and the Up block cuts its transposed convolution's output back to the slab.
-  Those levels hold 1/8 of the voxels per level, so running them whole costs less than splitting
-  another axis there would.
+  Those levels hold 1/8 of the voxels per level; the gather's backward is a fixed-order ring
+  reduce-scatter (one slab in flight). At the largest shard counts the whole levels set a floor on
+  a rank's memory (docs/parallel.md gives the numbers); splitting H there is not built.
 
 Gradients: every rank of a shard group computes the same loss (from the reduced sums) and back-
 propagates it, so the sum of the group's parameter gradients is S times the loss's gradient; DDP's
@@ -282,9 +283,33 @@ class ShardedGroupNorm(FastGroupNorm):
                                     self.shards)
 
 
+def _ring_sum_slab(t: torch.Tensor, sg: ShardGroup, depth: int) -> torch.Tensor:
+    """This rank's D-slab (`depth` planes) of Σ over the shard group of `t` (a whole volume, the same
+    shape on every rank): a ring of S − 1 steps in which each rank passes one slab's partial sum to the
+    next and adds its own planes to the one it receives (a reduce-scatter). Slab j is summed in the
+    fixed order of ranks j+1, j+2, …, j (mod S), so the result is bitwise the same on every run at a
+    fixed S; one slab is in flight per rank, where gathering every rank's whole would hold S of them."""
+    n, r = sg.count, sg.index
+    nxt, prv = sg.ranks[(r + 1) % n], sg.ranks[(r - 1) % n]
+    fmt = _layout(t)
+
+    def piece(j: int) -> torch.Tensor:
+        return t[:, :, j * depth:(j + 1) * depth]
+
+    acc = piece((r - 1) % n).contiguous()  # slab r − 1's sum starts here (sent in the default layout)
+    for step in range(n - 1):
+        got = torch.empty_like(acc)
+        ops = [dist.P2POp(dist.isend, acc, nxt, sg.group), dist.P2POp(dist.irecv, got, prv, sg.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        acc = (got + piece((r - 2 - step) % n)).contiguous()  # the slab received, summed over ranks j+1 … r
+    return acc.contiguous(memory_format=fmt)
+
+
 class _Gather(torch.autograd.Function):
     """The shard group's slabs joined along D (every rank holds the whole); the backward sums the ranks'
-    gradients of the whole in rank order and keeps this rank's slab (the adjoint)."""
+    gradients of the whole and keeps this rank's slab (the adjoint), as a fixed-order ring
+    reduce-scatter (`_ring_sum_slab`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
@@ -293,8 +318,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        lo = ctx.sg.index * ctx.depth
-        return _fixed_order_sum(grad, ctx.sg)[:, :, lo:lo + ctx.depth], None
+        return _ring_sum_slab(grad, ctx.sg, ctx.depth), None
 
 
 def gather_depth(x: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
@@ -304,7 +328,7 @@ def gather_depth(x: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
 def sharded_levels(scale: int, levels: int, count: int) -> list[bool]:
     """Per U-Net level (0 = full resolution), whether its tensors are split: while every slab keeps at
     least one plane (2^(scale - level) >= count). Deeper levels, which hold 1/8 of the voxels per
-    level, run whole on every rank of the group: cheaper than splitting another axis there."""
+    level, run whole on every rank of the group (scaffold.model.memory counts them so)."""
     return [2 ** (scale - level) >= count for level in range(levels + 1)]
 
 

@@ -103,6 +103,18 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_gathers_backward_is_each_ranks_slab_of_the_summed_gradients(ranks, tmp_path):
+    """Where the split ends, the backward of the gather sums the ranks' whole-volume gradients and
+    keeps each rank's slab: a ring reduce-scatter (one slab in flight, not every rank's whole)."""
+    torchrun(ranks, [str(tmp_path)], tmp_path, entry=(str(REPO / "tests" / "spatial_ring_worker.py"),))
+    for r in range(ranks):
+        out = torch.load(tmp_path / f"{r}.pt")
+        assert torch.equal(out["got"], out["want"]), r
+        assert torch.equal(out["grad"], out["want"]), r  # the gather's gradient, through autograd
+        assert out["channels_last"]
+
+
 def test_two_sharded_runs_are_bitwise_identical_and_close_to_one_process(cache, tmp_path):
     a = _run(2, cache, tmp_path, "a", "parallel.spatial_shards=2")
     b = _run(2, cache, tmp_path, "b", "parallel.spatial_shards=2")
