@@ -1,29 +1,34 @@
-"""Spatial (domain) parallelism: each volume's depth D split over a group of ranks.
+"""Spatial (domain) parallelism: each volume split over a group of ranks, along D, then H.
 
 With `parallel.spatial_shards = S` the world is a 2-D mesh, data-parallel × spatial (torch's
 DeviceMesh; consecutive ranks share a volume). Rank i of a shard group holds planes
 [i·D/S, (i+1)·D/S) of every volume of its data-parallel rank: its slab of the masks, of the input and of
-every activation; the parameters are whole on every rank. What crosses slab boundaries:
+every activation at full resolution; the parameters are whole on every rank. Each level of the U-Net
+is split by its own `Grid` (`level_grid`): D alone while each rank keeps at least one plane; then, where
+the depth runs out (S > 2^(scale − level)), D into one-plane blocks and H into the rest; past that
+(fewer voxels on a face than ranks) the level runs whole on every rank. What crosses block boundaries:
 
-- a 3×3×3 convolution (padding 1) needs one plane of each neighbour: `halo` sends this rank's first
-  and last planes to its neighbours and receives theirs (batched isend/irecv of device tensors over
-  the shard group: NCCL on GPUs, gloo on the CPU); zeros at the volume's faces, which is the
-  convolution's own zero padding. The convolution then runs unchanged, on whatever ladder rung it
-  picks (Triton or vendor), over the D + 2 planes, and the two planes it computes beyond the slab are
-  dropped. The backward sends the halo planes' gradients back to their owners, which add them to
-  their boundary planes;
-- GroupNorm's statistics, the loss's sums and the validation counts: each rank sums its slab, and
+- a 3×3×3 convolution (padding 1) needs one plane (and, where H is split, one row) of each
+  neighbour: `halo` sends this rank's first and last planes to its neighbours along D and receives
+  theirs, then does the same with rows along H on the planes so extended, which brings the corners
+  (batched isend/irecv of device tensors over the shard group: NCCL on GPUs, gloo on the CPU); zeros
+  at the volume's faces, which is the convolution's own zero padding. The convolution then runs
+  unchanged, on whatever ladder rung it picks (Triton or vendor), over the extended block, and what it
+  computes beyond the block is dropped. The backward sends the halo's gradients back to their owners,
+  which add them to their boundary planes (rows);
+- GroupNorm's statistics, the loss's sums and the validation counts: each rank sums its block, and
   `all_sum` adds the ranks' partial sums **in rank order** (an all-gather, then a fixed-order sum), so
   a run at a fixed S is bitwise reproducible; its backward is the same fixed-order sum of the
   gradients, the exact adjoint of a sum over ranks;
+- where a level is split differently from the one above it, the Down block's input and the Up block's
+  transposed-convolution output move to the other split (`redistribute`: each rank sends every other
+  the part of its block that lies in theirs; every voxel goes to one rank, so the backward is the same
+  exchange reversed, exact);
+- where a level runs whole, the Down block gathers its input whole on every rank of the group (its
+  backward a fixed-order ring reduce-scatter, one block in flight), the levels below run whole and
+  identically on each, and the Up block cuts its transposed convolution's output back to the block;
 - nothing else: the 2×2×2 pool, the transposed convolution (kernel = stride = 2), the skip concat and
-  the 1×1×1 head are local while every slab has an even number of planes at the pooled level;
-- where the depth runs out (a level with fewer planes than ranks: S > 2^model.bottleneck), the Down
-  block gathers its input whole on every rank of the group, the levels below run whole and
-  identically on each, and the Up block cuts its transposed convolution's output back to the slab.
-  Those levels hold 1/8 of the voxels per level; the gather's backward is a fixed-order ring
-  reduce-scatter (one slab in flight). At the largest shard counts the whole levels set a floor on
-  a rank's memory (docs/parallel.md gives the numbers); splitting H there is not built.
+  the 1×1×1 head are local within a split.
 
 Gradients: every rank of a shard group computes the same loss (from the reduced sums) and back-
 propagates it, so the sum of the group's parameter gradients is S times the loss's gradient; DDP's
@@ -121,6 +126,32 @@ def make_mesh(rank: int, world: int, spatial: int, device_type: str, timeout_s: 
     return Mesh(ShardGroup(group, ranks, ranks.index(rank)), rank // spatial, data)
 
 
+@dataclass(frozen=True)
+class Grid:
+    """How a level's tensors are split over a shard group of pd·ph ranks: D into pd blocks, then H into
+    ph (rank i holds D block i // ph and H block i % ph); W is never split."""
+
+    pd: int
+    ph: int = 1
+
+    def box(self, index: int, edge: int) -> tuple[int, int, int, int]:
+        """(d0, d1, h0, h1) of rank `index`'s block of a volume `edge` voxels on a side."""
+        bd, bh = edge // self.pd, edge // self.ph
+        i, j = divmod(index, self.ph)
+        return i * bd, (i + 1) * bd, j * bh, (j + 1) * bh
+
+
+def level_grid(edge: int, count: int) -> Optional[Grid]:
+    """The split of a level whose volumes are `edge` voxels on a side: D alone while every rank keeps at
+    least one plane; then D into `edge` one-plane blocks and H into the rest (D then H), while every
+    rank keeps at least one row; None past that (the level runs whole on every rank)."""
+    if edge >= count:
+        return Grid(count, 1)
+    if edge * edge >= count:
+        return Grid(edge, count // edge)
+    return None
+
+
 # --------------------------------------------------------------------------------------- collectives
 
 def _gather(t: torch.Tensor, sg: ShardGroup) -> list[torch.Tensor]:
@@ -157,19 +188,36 @@ def all_sum(t: torch.Tensor, sg: Optional[ShardGroup]) -> torch.Tensor:
     return _AllSum.apply(t, sg)
 
 
-def _exchange(first: torch.Tensor, last: torch.Tensor, sg: ShardGroup
+def _neighbours(sg: ShardGroup, grid: Optional[Grid], dim: int) -> tuple[Optional[int], Optional[int]]:
+    """Global ranks of the previous and next blocks along D (dim 2) or H (dim 3) under `grid` (None:
+    D slabs over the whole group); None at the volume's faces."""
+    if grid is None or (dim == 2 and grid.ph == 1):
+        return sg.prev, sg.next
+    i, j = divmod(sg.index, grid.ph)
+    if dim == 2:
+        return (sg.ranks[sg.index - grid.ph] if i > 0 else None,
+                sg.ranks[sg.index + grid.ph] if i + 1 < grid.pd else None)
+    return (sg.ranks[sg.index - 1] if j > 0 else None, sg.ranks[sg.index + 1] if j + 1 < grid.ph else None)
+
+
+def _exchange(first: torch.Tensor, last: torch.Tensor, sg: ShardGroup, prev: Optional[int] = None,
+              next_: Optional[int] = None, default: bool = True
               ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Sends `first` to the previous rank and `last` to the next; returns (what the previous rank sent
-    as its `last`, what the next rank sent as its `first`), None at the volume's faces."""
+    """Sends `first` to the previous rank and `last` to the next (the slab order's, unless given);
+    returns (what the previous rank sent as its `last`, what the next rank sent as its `first`), None
+    at the volume's faces."""
+    if default:
+        prev, next_ = sg.prev, sg.next
     ops, from_prev, from_next = [], None, None
-    if sg.prev is not None:
+    if prev is not None:
         from_prev = torch.empty_like(last)
-        ops += [dist.P2POp(dist.isend, first, sg.prev, sg.group), dist.P2POp(dist.irecv, from_prev, sg.prev, sg.group)]
-    if sg.next is not None:
+        ops += [dist.P2POp(dist.isend, first, prev, sg.group), dist.P2POp(dist.irecv, from_prev, prev, sg.group)]
+    if next_ is not None:
         from_next = torch.empty_like(first)
-        ops += [dist.P2POp(dist.isend, last, sg.next, sg.group), dist.P2POp(dist.irecv, from_next, sg.next, sg.group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        ops += [dist.P2POp(dist.isend, last, next_, sg.group), dist.P2POp(dist.irecv, from_next, next_, sg.group)]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     return from_prev, from_next
 
 
@@ -179,47 +227,60 @@ def _layout(x: torch.Tensor) -> torch.memory_format:
 
 
 class _Halo(torch.autograd.Function):
+    """One plane (dim 2) or row (dim 3) of each neighbour around this rank's block."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
-        ctx.sg = sg
-        n, c, d, h, w = x.shape
-        lo, hi = _exchange(x[:, :, :1].contiguous(), x[:, :, -1:].contiguous(), sg)
-        out = torch.empty((n, c, d + 2, h, w), dtype=x.dtype, device=x.device, memory_format=_layout(x))
-        out[:, :, 1:-1] = x
-        out[:, :, :1] = 0 if lo is None else lo
-        out[:, :, -1:] = 0 if hi is None else hi
+    def forward(ctx, x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid], dim: int) -> torch.Tensor:
+        prev, next_ = _neighbours(sg, grid, dim)
+        ctx.sg, ctx.neighbours, ctx.dim = sg, (prev, next_), dim
+        size = x.shape[dim]
+        lo, hi = _exchange(x.narrow(dim, 0, 1).contiguous(), x.narrow(dim, size - 1, 1).contiguous(), sg,
+                           prev, next_, default=False)
+        shape = list(x.shape)
+        shape[dim] = size + 2
+        out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
+        out.narrow(dim, 1, size).copy_(x)
+        out.narrow(dim, 0, 1).copy_(lo) if lo is not None else out.narrow(dim, 0, 1).zero_()
+        out.narrow(dim, size + 1, 1).copy_(hi) if hi is not None else out.narrow(dim, size + 1, 1).zero_()
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        sg = ctx.sg
-        to_prev, to_next = grad[:, :, :1].contiguous(), grad[:, :, -1:].contiguous()
-        from_prev, from_next = _exchange(to_prev, to_next, sg)
-        gx = grad[:, :, 1:-1].clone(memory_format=_layout(grad))
-        if from_prev is not None:  # the previous rank's upper halo is my first plane
-            gx[:, :, :1] += from_prev
+        dim, (prev, next_) = ctx.dim, ctx.neighbours
+        size = grad.shape[dim] - 2
+        to_prev, to_next = grad.narrow(dim, 0, 1).contiguous(), grad.narrow(dim, size + 1, 1).contiguous()
+        from_prev, from_next = _exchange(to_prev, to_next, ctx.sg, prev, next_, default=False)
+        gx = grad.narrow(dim, 1, size).clone(memory_format=_layout(grad))
+        if from_prev is not None:  # the previous rank's upper halo is my first plane (row)
+            gx.narrow(dim, 0, 1).add_(from_prev)
         if from_next is not None:
-            gx[:, :, -1:] += from_next
-        return gx, None
+            gx.narrow(dim, size - 1, 1).add_(from_next)
+        return gx, None, None, None
 
 
-def halo(x: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
-    """(N, C, d, H, W) slab -> (N, C, d + 2, H, W): the neighbours' adjacent planes around it (zeros at
-    the volume's faces); differentiable."""
-    return _Halo.apply(x, sg)
+def halo(x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid] = None) -> torch.Tensor:
+    """(N, C, d, h, W) block -> (N, C, d + 2, h, W), and (…, h + 2, W) too where `grid` splits H: the
+    neighbours' adjacent planes (then rows, of the planes so extended, which brings the corners) around
+    it, zeros at the volume's faces; differentiable. `grid` None: D slabs over the whole group."""
+    x = _Halo.apply(x, sg, grid, 2)
+    if grid is not None and grid.ph > 1:
+        x = _Halo.apply(x, sg, grid, 3)
+    return x
 
 
 # ------------------------------------------------------------------------------------ sharded modules
 
 class HaloConv3d(FastConv3d):
-    """A 3×3×3 FastConv3d (padding 1) over a D-slab: halo, the same convolution on D + 2 planes, the
-    slab's planes of its output. Same parameters and state-dict keys."""
+    """A 3×3×3 FastConv3d (padding 1) over a block: halo, the same convolution on D + 2 planes (and
+    H + 2 rows where H is split), the block's part of its output. Same parameters and state-dict keys."""
 
     shards: ShardGroup
+    grid: Optional[Grid] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(halo(x, self.shards))
-        return y[:, :, 1:-1].contiguous(memory_format=_layout(y))
+        y = super().forward(halo(x, self.shards, self.grid))
+        y = y[:, :, 1:-1, 1:-1] if self.grid is not None and self.grid.ph > 1 else y[:, :, 1:-1]
+        return y.contiguous(memory_format=_layout(y))
 
 
 class _SlabGroupNorm(torch.autograd.Function):
@@ -283,90 +344,171 @@ class ShardedGroupNorm(FastGroupNorm):
                                     self.shards)
 
 
-def _ring_sum_slab(t: torch.Tensor, sg: ShardGroup, depth: int) -> torch.Tensor:
-    """This rank's D-slab (`depth` planes) of Σ over the shard group of `t` (a whole volume, the same
-    shape on every rank): a ring of S − 1 steps in which each rank passes one slab's partial sum to the
-    next and adds its own planes to the one it receives (a reduce-scatter). Slab j is summed in the
-    fixed order of ranks j+1, j+2, …, j (mod S), so the result is bitwise the same on every run at a
-    fixed S; one slab is in flight per rank, where gathering every rank's whole would hold S of them."""
+def _ring_sum_slab(t: torch.Tensor, sg: ShardGroup, depth: int, grid: Optional[Grid] = None) -> torch.Tensor:
+    """This rank's block (D slab of `depth` planes, or its `grid` block) of Σ over the shard group of `t`
+    (a whole volume, the same shape on every rank): a ring of S − 1 steps in which each rank passes one
+    block's partial sum to the next and adds its own part to the one it receives (a reduce-scatter).
+    Block j is summed in the fixed order of ranks j+1, j+2, …, j (mod S), so the result is bitwise the
+    same on every run at a fixed S; one block is in flight per rank, where gathering every rank's whole
+    would hold S of them."""
     n, r = sg.count, sg.index
     nxt, prv = sg.ranks[(r + 1) % n], sg.ranks[(r - 1) % n]
     fmt = _layout(t)
 
     def piece(j: int) -> torch.Tensor:
-        return t[:, :, j * depth:(j + 1) * depth]
+        if grid is None:
+            return t[:, :, j * depth:(j + 1) * depth]
+        d0, d1, h0, h1 = grid.box(j, t.shape[2])
+        return t[:, :, d0:d1, h0:h1]
 
-    acc = piece((r - 1) % n).contiguous()  # slab r − 1's sum starts here (sent in the default layout)
+    acc = piece((r - 1) % n).contiguous()  # block r − 1's sum starts here (sent in the default layout)
     for step in range(n - 1):
         got = torch.empty_like(acc)
         ops = [dist.P2POp(dist.isend, acc, nxt, sg.group), dist.P2POp(dist.irecv, got, prv, sg.group)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        acc = (got + piece((r - 2 - step) % n)).contiguous()  # the slab received, summed over ranks j+1 … r
+        acc = (got + piece((r - 2 - step) % n)).contiguous()  # the block received, summed over ranks j+1 … r
     return acc.contiguous(memory_format=fmt)
 
 
 class _Gather(torch.autograd.Function):
-    """The shard group's slabs joined along D (every rank holds the whole); the backward sums the ranks'
-    gradients of the whole and keeps this rank's slab (the adjoint), as a fixed-order ring
-    reduce-scatter (`_ring_sum_slab`)."""
+    """The shard group's blocks (D slabs, or a grid's blocks) joined into the whole volume on every rank;
+    the backward sums the ranks' gradients of the whole and keeps this rank's block (the adjoint), as
+    a fixed-order ring reduce-scatter (`_ring_sum_slab`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
-        ctx.sg, ctx.depth = sg, x.shape[2]
-        return torch.cat(_gather(x, sg), 2).contiguous(memory_format=_layout(x))
+    def forward(ctx, x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid]) -> torch.Tensor:
+        ctx.sg, ctx.depth, ctx.grid = sg, x.shape[2], grid
+        parts = _gather(x, sg)
+        if grid is None or grid.ph == 1:
+            return torch.cat(parts, 2).contiguous(memory_format=_layout(x))
+        rows = [torch.cat(parts[i * grid.ph:(i + 1) * grid.ph], 3) for i in range(grid.pd)]
+        return torch.cat(rows, 2).contiguous(memory_format=_layout(x))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _ring_sum_slab(grad, ctx.sg, ctx.depth), None
+        return _ring_sum_slab(grad, ctx.sg, ctx.depth, ctx.grid), None, None
 
 
-def gather_depth(x: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
-    return _Gather.apply(x, sg)
+def gather_depth(x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid] = None) -> torch.Tensor:
+    return _Gather.apply(x, sg, grid)
+
+
+class _Redistribute(torch.autograd.Function):
+    """A volume split one way (`src` blocks) split another (`dst`): each rank sends every other the
+    part of its block that lies in theirs and assembles its new block from what it receives. Every
+    voxel moves to exactly one rank, so the backward is the same exchange reversed: no sums, exact."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sg: ShardGroup, src: Grid, dst: Grid) -> torch.Tensor:
+        ctx.sg, ctx.src, ctx.dst, ctx.shape = sg, src, dst, x.shape
+        edge = x.shape[2] * src.pd
+        return _move(x, sg, src, dst, edge)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        edge = ctx.shape[2] * ctx.src.pd
+        return _move(grad, ctx.sg, ctx.dst, ctx.src, edge), None, None, None
+
+
+def _overlap(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> Optional[tuple[int, int, int, int]]:
+    d0, d1 = max(a[0], b[0]), min(a[1], b[1])
+    h0, h1 = max(a[2], b[2]), min(a[3], b[3])
+    return (d0, d1, h0, h1) if d0 < d1 and h0 < h1 else None
+
+
+def _move(x: torch.Tensor, sg: ShardGroup, src: Grid, dst: Grid, edge: int) -> torch.Tensor:
+    """This rank's `dst` block of the volume whose `src` blocks the ranks hold (x is this rank's)."""
+    r = sg.index
+    mine_src, mine_dst = src.box(r, edge), dst.box(r, edge)
+    n, c, w = x.shape[0], x.shape[1], x.shape[4]
+    out = torch.empty((n, c, mine_dst[1] - mine_dst[0], mine_dst[3] - mine_dst[2], w), dtype=x.dtype,
+                      device=x.device, memory_format=_layout(x))
+    ops, landing = [], []
+    for j in range(sg.count):
+        give = _overlap(mine_src, dst.box(j, edge))  # my voxels that j holds next
+        take = _overlap(src.box(j, edge), mine_dst)  # j's voxels that I hold next
+        if j == r:
+            if give is not None:
+                out[:, :, give[0] - mine_dst[0]:give[1] - mine_dst[0], give[2] - mine_dst[2]:give[3] - mine_dst[2]] = \
+                    x[:, :, give[0] - mine_src[0]:give[1] - mine_src[0], give[2] - mine_src[2]:give[3] - mine_src[2]]
+            continue
+        if give is not None:
+            part = x[:, :, give[0] - mine_src[0]:give[1] - mine_src[0], give[2] - mine_src[2]:give[3] - mine_src[2]]
+            ops.append(dist.P2POp(dist.isend, part.contiguous(), sg.ranks[j], sg.group))
+        if take is not None:
+            buf = torch.empty((n, c, take[1] - take[0], take[3] - take[2], w), dtype=x.dtype, device=x.device)
+            ops.append(dist.P2POp(dist.irecv, buf, sg.ranks[j], sg.group))
+            landing.append((take, buf))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for take, buf in landing:
+        out[:, :, take[0] - mine_dst[0]:take[1] - mine_dst[0], take[2] - mine_dst[2]:take[3] - mine_dst[2]] = buf
+    return out
+
+
+def redistribute(x: torch.Tensor, sg: ShardGroup, src: Grid, dst: Grid) -> torch.Tensor:
+    """x, this rank's `src` block, as its `dst` block (differentiable)."""
+    return x if src == dst else _Redistribute.apply(x, sg, src, dst)
+
+
+def level_grids(scale: int, levels: int, count: int) -> list[Optional[Grid]]:
+    """Per U-Net level (0 = full resolution), how its tensors are split (`level_grid`), None where the
+    level runs whole on every rank of the group."""
+    return [level_grid(2 ** (scale - level), count) for level in range(levels + 1)]
 
 
 def sharded_levels(scale: int, levels: int, count: int) -> list[bool]:
-    """Per U-Net level (0 = full resolution), whether its tensors are split: while every slab keeps at
-    least one plane (2^(scale - level) >= count). Deeper levels, which hold 1/8 of the voxels per
-    level, run whole on every rank of the group (scaffold.model.memory counts them so)."""
-    return [2 ** (scale - level) >= count for level in range(levels + 1)]
+    """Per level, whether its tensors are split at all (`level_grids`)."""
+    return [g is not None for g in level_grids(scale, levels, count)]
 
 
 def shard_model(model: torch.nn.Module, sg: Optional[ShardGroup]) -> torch.nn.Module:
-    """Turns the U-Net's 3×3×3 convolutions and GroupNorms at split levels into their slab forms, in
-    place (same parameters and state-dict keys). Where the split ends, the Down block's input is
-    gathered whole (then everything below runs whole on every rank) and the Up block's transposed
-    convolution output is cut back to the slab."""
+    """Turns the U-Net's 3×3×3 convolutions and GroupNorms at split levels into their block forms, in
+    place (same parameters and state-dict keys). Where a level is split differently from the one above
+    (D, then D and H), the Down block's input and the Up block's transposed convolution output move to
+    the other split (`redistribute`); where the split ends, the Down block's input is gathered whole
+    (then everything below runs whole on every rank) and the Up block's transposed convolution output
+    is cut back to the block."""
     if sg is None or sg.count == 1:
         return model
-    split = sharded_levels(model.scale, model.levels, sg.count)
+    grids = level_grids(model.scale, model.levels, sg.count)
 
-    def convert(block: torch.nn.Module) -> None:
+    def convert(block: torch.nn.Module, grid: Grid) -> None:
         for m in block.modules():
             if type(m) is FastConv3d and m.kernel_size == (3, 3, 3):
-                m.__class__, m.shards = HaloConv3d, sg
+                m.__class__, m.shards, m.grid = HaloConv3d, sg, grid
             elif type(m) is FastGroupNorm:
                 m.__class__, m.shards = ShardedGroupNorm, sg
 
-    convert(model.inc)
-    for i, down in enumerate(model.downs):  # down i produces level i + 1
-        if split[i + 1]:
-            convert(down)
-        elif split[i]:
-            down.register_forward_pre_hook(lambda module, args: (gather_depth(args[0], sg),))
+    convert(model.inc, grids[0])
+    for i, down in enumerate(model.downs):  # down i produces level i + 1 from level i
+        above, below = grids[i], grids[i + 1]
+        if below is not None:
+            convert(down, below)
+            if below != above:
+                down.register_forward_pre_hook(
+                    lambda module, args, a=above, b=below: (redistribute(args[0], sg, a, b),))
+        elif above is not None:
+            down.register_forward_pre_hook(lambda module, args, a=above: (gather_depth(args[0], sg, a),))
     for j, up in enumerate(model.ups):  # up j produces level L - 1 - j from level L - j
         level = model.levels - 1 - j
-        if split[level]:
-            convert(up.conv)
-            if not split[level + 1]:
-                up.up.register_forward_hook(lambda module, args, y: _own_slab(y, sg))
+        here, below = grids[level], grids[level + 1]
+        if here is not None:
+            convert(up.conv, here)
+            if below is None:
+                up.up.register_forward_hook(lambda module, args, y, g=here: _own_block(y, sg, g))
+            elif below != here:
+                up.up.register_forward_hook(
+                    lambda module, args, y, a=below, b=here: redistribute(y, sg, a, b))
     model.shards = sg
     return model
 
 
-def _own_slab(y: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
-    lo, hi = sg.slab(y.shape[2])
-    return y[:, :, lo:hi].contiguous(memory_format=_layout(y))
+def _own_block(y: torch.Tensor, sg: ShardGroup, grid: Grid) -> torch.Tensor:
+    d0, d1, h0, h1 = grid.box(sg.index, y.shape[2])
+    return y[:, :, d0:d1, h0:h1].contiguous(memory_format=_layout(y))
 
 
 # ------------------------------------------------------------------------------------ loss and metrics

@@ -508,10 +508,10 @@ class Trainer:
                 p.wall_time += time.perf_counter() - t0
             if p.target_epoch is not None:
                 # The run ends here: the user waits for the last write too, so it counts.
-                t0 = time.perf_counter()
+                t0, waited = time.perf_counter(), self.writer.waited_s
                 self.writer.flush()
-                self.final_wait_s = time.perf_counter() - t0
-                p.wall_time += self.final_wait_s
+                self.final_wait_s = self.writer.waited_s - waited  # the writer's own count, a part of
+                p.wall_time += time.perf_counter() - t0  # checkpoint_wait_s; the wall clock counts it all
                 p.time_to_target = p.wall_time
             if stop_signum:
                 self.writer.flush()

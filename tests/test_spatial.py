@@ -42,12 +42,14 @@ def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("
 
 # ------------------------------------------------------------------------------------------ the step
 
-@pytest.mark.parametrize("scale, bottleneck, shards", [(4, 2, 2), (4, 2, 4), (3, 1, 4)])
+@pytest.mark.parametrize("scale, bottleneck, shards", [(4, 2, 2), (4, 2, 4), (3, 1, 4), (4, 1, 8)])
 def test_a_sharded_step_matches_one_process(scale, bottleneck, shards, tmp_path):
     """Forward output, loss, per-sample losses, hard Dice and every parameter gradient of a step whose
     volumes are split over 2 or 4 ranks, against the same step in one process (fp32, batch 2).
-    (3, 1, 4): one plane per rank at level 1 and a bottleneck of 2 planes, which runs whole on every
-    rank (gathered, then cut back). Bound: 1e-4 absolute on the logits and 1e-4 of each gradient's
+    (3, 1, 4): one plane per rank at level 1, then a bottleneck of 2 planes split along D and H (2 x 2
+    blocks: the activations move between the splits both ways). (4, 1, 8): D slabs, then D and H
+    (4 x 2) at level 2, then a bottleneck too small for either, which runs whole on every rank
+    (gathered from the 4 x 2 blocks, then cut back). Bound: 1e-4 absolute on the logits and 1e-4 of each gradient's
     largest magnitude (summation order differs, nothing else); the hard Dice's counts are exact."""
     from spatial_case import case
 

@@ -77,18 +77,33 @@ class StepShape:
     def levels(self) -> int:
         return self.scale - self.bottleneck
 
+    def grid(self, level: int) -> Optional[tuple[int, int]]:
+        """(D blocks, H blocks) of `level`'s tensors, None where they are whole on every device
+        (scaffold.spatial.level_grid: D while each block keeps a plane, then D and H)."""
+        if self.depth_shards <= 1:
+            return None
+        edge, n = 2 ** (self.scale - level), self.depth_shards
+        if edge >= n:
+            return (n, 1)
+        return (edge, n // edge) if edge * edge >= n else None
+
     def split(self, level: int) -> bool:
-        """Whether `level`'s tensors are D-slabs (scaffold.spatial.sharded_levels)."""
-        return self.depth_shards > 1 and 2 ** (self.scale - level) >= self.depth_shards
+        """Whether `level`'s tensors are split over the shard group."""
+        return self.grid(level) is not None
 
     def voxels(self, level: int, whole: bool = False, halo: bool = False) -> int:
-        """Voxels per device of a tensor at `level`: its slab where the level is split (with the two
-        halo planes when `halo`), the whole volume where it is not or when `whole`."""
+        """Voxels per device of a tensor at `level`: its block where the level is split (with the halo
+        planes, and rows where H is split, when `halo`), the whole volume where it is not or when
+        `whole`."""
         edge = 2 ** (self.scale - level)
-        if whole or not self.split(level):
+        grid = self.grid(level)
+        if whole or grid is None:
             return self.batch * edge**3
-        planes = edge // self.depth_shards + (2 if halo else 0)
-        return self.batch * planes * edge**2
+        pd, ph = grid
+        planes, rows = edge // pd, edge // ph
+        if halo:
+            planes, rows = planes + 2, rows + (2 if ph > 1 else 0)
+        return self.batch * planes * rows * edge
 
 
 # --- parameters ------------------------------------------------------------------------------------
@@ -154,7 +169,14 @@ class _Builder:
         wcopy = [_T(2 * numel, grad=False)] if self.s.amp else []  # its gradient is `grad_temp`
         halo = taps == 27 and self.s.split(level)  # scaffold.spatial.HaloConv3d: D + 2 planes, then cut
         if halo:
-            xe = _T(x.nbytes // self.s.voxels(level) * self.s.voxels(level, halo=True), x.grad)
+            per_voxel = x.nbytes // self.s.voxels(level)
+            grid = self.s.grid(level)
+            if grid is not None and grid[1] > 1:  # the planes first, then the rows of the planes so extended
+                edge = 2 ** (self.s.scale - level)
+                xd = _T(per_voxel * self.s.batch * (edge // grid[0] + 2) * (edge // grid[1]) * edge, x.grad)
+                self.op([x], [xd])
+                x = xd
+            xe = _T(per_voxel * self.s.voxels(level, halo=True), x.grad)
             self.op([x], [xe])
             x = xe
         if cast_input:  # the stem's fp32 input: autocast makes a bf16 copy, which the conv keeps
@@ -176,15 +198,16 @@ class _Builder:
         numel = 8 * cin * cout
         wcopy = [_T(2 * numel, grad=False)] if self.s.amp else []
         cut = self.s.split(level) and not self.s.split(level + 1)  # whole below: made whole, then cut
+        moved = self.s.split(level + 1) and self.s.grid(level + 1) != self.s.grid(level)
         y = self.act(cout, level, whole=cut)
         for w in wcopy:
             self.op([], [w])
         self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=4 * (numel + cout),
                 grad_temp=2 * numel if self.s.amp else 0)
-        if cut:
-            slab = self.act(cout, level)
-            self.op([y], [slab])
-            y = slab
+        if cut or moved:  # cut to this level's block, or moved to its split (scaffold.spatial.redistribute)
+            block = self.act(cout, level)
+            self.op([y], [block])
+            y = block
         return y
 
     def norm(self, x: _T, channels: int, level: int) -> _T:
@@ -217,6 +240,10 @@ class _Builder:
             whole = self.act(channels, level - 1, whole=True)
             self.op([x], [whole])
             x = whole
+        elif self.s.split(level) and self.s.grid(level) != self.s.grid(level - 1):
+            moved = self.act(channels, level - 1)  # the same voxels, split as the level below is
+            self.op([x], [moved])
+            x = moved
         y = self.act(channels, level)
         index = self.act(channels, level, 1, grad=False)
         work = 0 if self.s.fused else x.nbytes + 8 * channels * self.s.voxels(level)
@@ -674,17 +701,20 @@ def target_device(setting: Any) -> Optional[str]:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
-def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 10) -> Optional[int]:
-    """The fewest D-slabs (a power of two) over which each device's share of the run would pass the
-    scale check with recompute; None if no split does (the parameters and Adam state, which every
-    shard holds whole, do not fit)."""
+def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 12) -> Optional[int]:
+    """The fewest shards (a power of two) over which each device's share of the run is predicted to
+    fit with recompute (strictly: this is the count to advise, not the scale check's tolerant test);
+    else the fewest that pass the scale check; None if no split does (the parameters and Adam state,
+    which every shard holds whole, do not fit)."""
+    needs = {}
     n = 2
     while n <= min(most, 2**s.scale):
         # sharded: no CUDA graph (as shape_from_config has it)
-        if _fits(estimate(replace(s, depth_shards=n, graph=False), warmup=warmup).need, capacity):
+        needs[n] = estimate(replace(s, depth_shards=n, graph=False), warmup=warmup).need
+        if needs[n] <= capacity:
             return n
         n *= 2
-    return None
+    return next((n for n, need in needs.items() if _fits(need, capacity)), None)
 
 
 def _fits(need: int, capacity: int) -> bool:
@@ -714,7 +744,7 @@ def check_scale(cfg: Any) -> None:
     else:
         e = estimate(s, warmup=warmup)
         whole = (e.params + e.grads + e.adam) / GiB
-        advice = (f"no split along D fits either: every rank holds the whole model, and its parameters, "
+        advice = (f"no split of the volume fits either: every rank holds the whole model, and its parameters, "
                   f"gradients and Adam state alone are {whole:.0f} GiB; raise model.bottleneck (fewer "
                   f"levels, fewer parameters)")
     raise ConfigError(f"scale={cfg.scale} needs ~{need / GiB:.0f} GiB per device with recompute "
