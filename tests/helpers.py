@@ -1,6 +1,7 @@
 """Shared helpers of the training tests: a tiny config that trains in seconds on two CPU cores."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -55,3 +56,21 @@ def params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def same_params(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@contextlib.contextmanager
+def saved_bytes(model: torch.nn.Module):
+    """While open, records the distinct storages autograd saves; yields a dict whose "bytes" (set on
+    leaving) is their total, the model's parameters excluded."""
+    seen: dict[int, int] = {}
+    result: dict[str, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    result["bytes"] = sum(n for ptr, n in seen.items() if ptr not in params)

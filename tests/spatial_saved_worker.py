@@ -15,6 +15,7 @@ def main(out_dir: str, scale: int, shards: int, amp: bool, recompute: str) -> No
     from scaffold.loss import SegmentationLoss
     from scaffold.model.unet import UNet3d
     from scaffold.spatial import ShardedLoss, make_mesh, shard_model
+    from tests.helpers import saved_bytes
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -28,22 +29,13 @@ def main(out_dir: str, scale: int, shards: int, amp: bool, recompute: str) -> No
     labels = torch.randint(0, 4, (2, edge, edge, edge), dtype=torch.uint8)
     lo, hi = sg.slab(edge)
     labels = labels[:, lo:hi].contiguous()
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_bytes(model) as saved:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             logits = model(make_input(labels, torch.rand(4, 3)))
         total, _, _ = loss.terms(logits, labels)
     total.backward()  # the sharded backward runs too (its collectives pair up across ranks)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = sum(n for ptr, n in seen.items() if ptr not in params)
     with open(f"{out_dir}/{rank}.json", "w") as f:
-        json.dump({"saved": saved}, f)
+        json.dump({"saved": saved["bytes"]}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers import tiny_cfg
+from helpers import saved_bytes, tiny_cfg
 from scaffold.config import ConfigError, validate
 from scaffold.data.loader import make_input
 from scaffold.loss import SegmentationLoss
@@ -36,20 +36,12 @@ def _saved_bytes(scale: int, recompute: str, amp: bool, batch: int = 2, ladder=N
     model.set_recompute(recompute)
     edge = 2**scale
     labels = torch.randint(0, 4, (batch, edge, edge, edge), dtype=torch.uint8)
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_bytes(model) as saved:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             logits = model(make_input(labels, torch.rand(4, 3)))
         loss.terms(logits, labels)
     assert census(model)["fallbacks"] == []
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return sum(n for ptr, n in seen.items() if ptr not in params)
+    return saved["bytes"]
 
 
 @pytest.mark.parametrize("scale", [3, 4, 5])
