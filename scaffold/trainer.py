@@ -344,10 +344,17 @@ class Trainer:
         net = copy.deepcopy(self.model)
         step = self._train_step(net, make_optimizer(net.parameters(), self.cfg))
         masks = self.vol.first(self.vol.train, self.cfg.batch_size)
-        with compile_ahead() as ahead:
-            if ahead:
-                step(masks)
-                self.eval_batch(net, self.vol.first(self.vol.val, self.cfg.batch_size))
+        try:
+            with compile_ahead() as ahead:
+                if ahead:
+                    step(masks)
+                    self.eval_batch(net, self.vol.first(self.vol.val, self.cfg.batch_size))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the kernels then compile at their first launch, as
+            # without this pass, where a kernel that cannot compile falls back to its vendor op
+            log.warning("compiling the kernels ahead failed (%s); compiling them at first launch instead",
+                        f"{type(e).__name__}: {e}".splitlines()[0])
         for _ in range(steps):
             step(masks)
         self.eval_batch(net, self.vol.first(self.vol.val, self.cfg.batch_size))

@@ -84,16 +84,21 @@ def workers() -> int:
 @contextlib.contextmanager
 def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
     """Yields whether launches in the block only compile (see the module's docstring); on leaving,
-    every compilation has finished (a compile error is raised there, as the launch would have)."""
+    every compilation has finished. A kernel whose compilation fails is left out of the cache, so its
+    first real launch fails as it would have without this block (and the ladder falls back from it)."""
     if not available():
         yield False
         return
     _patch()
     mode_cls = _async_mode()
     with ThreadPoolExecutor(max_workers=threads or workers(), thread_name_prefix="triton-compile") as pool:
+        try:  # a kernel that fails to compile is left uncompiled: its launch fails as it would have
+            mode = mode_cls(pool, ignore_errors=True)
+        except TypeError:  # a Triton whose mode has no such option: its error surfaces on leaving
+            mode = mode_cls(pool)
         token = _DRY.set(True)
         try:
-            with mode_cls(pool):  # its exit waits for every compilation and installs the kernels
+            with mode:  # its exit waits for every compilation and installs the kernels
                 yield True
         finally:
             _DRY.reset(token)
