@@ -16,6 +16,8 @@ import hashlib
 import io
 import logging
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
@@ -185,8 +187,6 @@ class Writer:
     CheckpointError from the next `submit` or `flush`."""
 
     def __init__(self, folder: Path, background: bool = True):
-        import threading
-
         self.folder = Path(folder)
         self.background = background
         self.thread = None  # the writer thread while it has work
@@ -199,8 +199,6 @@ class Writer:
         self._stream = None  # the side stream of the snapshot copies (one: copies stay in order)
 
     def submit(self, state: dict[str, Any], best: bool) -> None:
-        import time
-
         if not self.background:
             self._raise()
             save(self.folder / LAST, state)
@@ -220,21 +218,12 @@ class Writer:
             snapshot, done = self._snapshot(state, self.buffers[index])
             self._pending = (index, snapshot, done, best)
             if self.thread is None:
-                import threading
-
                 self.thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
                 self.thread.start()
             self._cv.notify_all()
 
-    def busy(self) -> bool:
-        """Whether a write is in flight or pending."""
-        with self._cv:
-            return self.thread is not None
-
     def flush(self) -> None:
         """Wait for the write in flight and the pending one; raise an error of theirs."""
-        import time
-
         t0 = time.perf_counter()
         with self._cv:
             while self.thread is not None:

@@ -200,14 +200,11 @@ def _neighbours(sg: ShardGroup, grid: Optional[Grid], dim: int) -> tuple[Optiona
     return (sg.ranks[sg.index - 1] if j > 0 else None, sg.ranks[sg.index + 1] if j + 1 < grid.ph else None)
 
 
-def _exchange(first: torch.Tensor, last: torch.Tensor, sg: ShardGroup, prev: Optional[int] = None,
-              next_: Optional[int] = None, default: bool = True
-              ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Sends `first` to the previous rank and `last` to the next (the slab order's, unless given);
-    returns (what the previous rank sent as its `last`, what the next rank sent as its `first`), None
-    at the volume's faces."""
-    if default:
-        prev, next_ = sg.prev, sg.next
+def _exchange(first: torch.Tensor, last: torch.Tensor, sg: ShardGroup, prev: Optional[int],
+              next_: Optional[int]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Sends `first` to the previous rank and `last` to the next (global ranks of the group; None at
+    the volume's faces); returns (what the previous rank sent as its `last`, what the next rank sent as
+    its `first`), None at the faces."""
     ops, from_prev, from_next = [], None, None
     if prev is not None:
         from_prev = torch.empty_like(last)
@@ -235,13 +232,16 @@ class _Halo(torch.autograd.Function):
         ctx.sg, ctx.neighbours, ctx.dim = sg, (prev, next_), dim
         size = x.shape[dim]
         lo, hi = _exchange(x.narrow(dim, 0, 1).contiguous(), x.narrow(dim, size - 1, 1).contiguous(), sg,
-                           prev, next_, default=False)
+                           prev, next_)
         shape = list(x.shape)
         shape[dim] = size + 2
         out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
         out.narrow(dim, 1, size).copy_(x)
-        out.narrow(dim, 0, 1).copy_(lo) if lo is not None else out.narrow(dim, 0, 1).zero_()
-        out.narrow(dim, size + 1, 1).copy_(hi) if hi is not None else out.narrow(dim, size + 1, 1).zero_()
+        for start, got in ((0, lo), (size + 1, hi)):  # zeros at the volume's faces
+            if got is None:
+                out.narrow(dim, start, 1).zero_()
+            else:
+                out.narrow(dim, start, 1).copy_(got)
         return out
 
     @staticmethod
@@ -249,7 +249,7 @@ class _Halo(torch.autograd.Function):
         dim, (prev, next_) = ctx.dim, ctx.neighbours
         size = grad.shape[dim] - 2
         to_prev, to_next = grad.narrow(dim, 0, 1).contiguous(), grad.narrow(dim, size + 1, 1).contiguous()
-        from_prev, from_next = _exchange(to_prev, to_next, ctx.sg, prev, next_, default=False)
+        from_prev, from_next = _exchange(to_prev, to_next, ctx.sg, prev, next_)
         gx = grad.narrow(dim, 1, size).clone(memory_format=_layout(grad))
         if from_prev is not None:  # the previous rank's upper halo is my first plane (row)
             gx.narrow(dim, 0, 1).add_(from_prev)
