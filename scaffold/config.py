@@ -12,7 +12,6 @@ Defaults follow upstream ScaFFold's benchmark, except `scale`: its default is sm
 from __future__ import annotations
 
 import math
-
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional

@@ -344,20 +344,18 @@ class ShardedGroupNorm(FastGroupNorm):
                                     self.shards)
 
 
-def _ring_sum_slab(t: torch.Tensor, sg: ShardGroup, depth: int, grid: Optional[Grid] = None) -> torch.Tensor:
-    """This rank's block (D slab of `depth` planes, or its `grid` block) of Σ over the shard group of `t`
-    (a whole volume, the same shape on every rank): a ring of S − 1 steps in which each rank passes one
-    block's partial sum to the next and adds its own part to the one it receives (a reduce-scatter).
-    Block j is summed in the fixed order of ranks j+1, j+2, …, j (mod S), so the result is bitwise the
-    same on every run at a fixed S; one block is in flight per rank, where gathering every rank's whole
-    would hold S of them."""
+def _ring_sum_slab(t: torch.Tensor, sg: ShardGroup, grid: Optional[Grid] = None) -> torch.Tensor:
+    """This rank's `grid` block (default: its D slab) of Σ over the shard group of `t` (a whole volume,
+    the same shape on every rank): a ring of S − 1 steps in which each rank passes one block's partial
+    sum to the next and adds its own part to the one it receives (a reduce-scatter). Block j is summed
+    in the fixed order of ranks j+1, j+2, …, j (mod S), so the result is bitwise the same on every run
+    at a fixed S; one block is in flight per rank, where gathering every rank's whole would hold S of
+    them."""
     n, r = sg.count, sg.index
+    grid = grid or Grid(n, 1)
     nxt, prv = sg.ranks[(r + 1) % n], sg.ranks[(r - 1) % n]
-    fmt = _layout(t)
 
     def piece(j: int) -> torch.Tensor:
-        if grid is None:
-            return t[:, :, j * depth:(j + 1) * depth]
         d0, d1, h0, h1 = grid.box(j, t.shape[2])
         return t[:, :, d0:d1, h0:h1]
 
@@ -368,7 +366,7 @@ def _ring_sum_slab(t: torch.Tensor, sg: ShardGroup, depth: int, grid: Optional[G
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         acc = (got + piece((r - 2 - step) % n)).contiguous()  # the block received, summed over ranks j+1 … r
-    return acc.contiguous(memory_format=fmt)
+    return acc.contiguous(memory_format=_layout(t))
 
 
 class _Gather(torch.autograd.Function):
@@ -377,21 +375,20 @@ class _Gather(torch.autograd.Function):
     a fixed-order ring reduce-scatter (`_ring_sum_slab`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid]) -> torch.Tensor:
-        ctx.sg, ctx.depth, ctx.grid = sg, x.shape[2], grid
+    def forward(ctx, x: torch.Tensor, sg: ShardGroup, grid: Grid) -> torch.Tensor:
+        ctx.sg, ctx.grid = sg, grid
         parts = _gather(x, sg)
-        if grid is None or grid.ph == 1:
-            return torch.cat(parts, 2).contiguous(memory_format=_layout(x))
         rows = [torch.cat(parts[i * grid.ph:(i + 1) * grid.ph], 3) for i in range(grid.pd)]
         return torch.cat(rows, 2).contiguous(memory_format=_layout(x))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _ring_sum_slab(grad, ctx.sg, ctx.depth, ctx.grid), None, None
+        return _ring_sum_slab(grad, ctx.sg, ctx.grid), None, None
 
 
 def gather_depth(x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid] = None) -> torch.Tensor:
-    return _Gather.apply(x, sg, grid)
+    """The whole volume on every rank from its `grid` blocks (default: D slabs); differentiable."""
+    return _Gather.apply(x, sg, grid or Grid(sg.count, 1))
 
 
 class _Redistribute(torch.autograd.Function):
@@ -457,11 +454,6 @@ def level_grids(scale: int, levels: int, count: int) -> list[Optional[Grid]]:
     """Per U-Net level (0 = full resolution), how its tensors are split (`level_grid`), None where the
     level runs whole on every rank of the group."""
     return [level_grid(2 ** (scale - level), count) for level in range(levels + 1)]
-
-
-def sharded_levels(scale: int, levels: int, count: int) -> list[bool]:
-    """Per level, whether its tensors are split at all (`level_grids`)."""
-    return [g is not None for g in level_grids(scale, levels, count)]
 
 
 def shard_model(model: torch.nn.Module, sg: Optional[ShardGroup]) -> torch.nn.Module:

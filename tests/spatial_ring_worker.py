@@ -17,7 +17,7 @@ def main(out_dir: str) -> None:
     depth, whole = 2, 2 * world
     # every rank's whole tensor: integers, so any order of summation gives exact sums
     mine = torch.arange(whole * 6, dtype=torch.float32).view(1, 2, whole, 3, 1) * (rank + 1)
-    got = _ring_sum_slab(mine.contiguous(memory_format=torch.channels_last_3d), sg, depth)
+    got = _ring_sum_slab(mine.contiguous(memory_format=torch.channels_last_3d), sg)
     total = sum(torch.arange(whole * 6, dtype=torch.float32).view(1, 2, whole, 3, 1) * (k + 1) for k in range(world))
     want = total[:, :, rank * depth:(rank + 1) * depth]
     # through autograd: the gather's gradient is this rank's slab of the group's summed gradients

@@ -82,10 +82,10 @@ class StepShape:
         (scaffold.spatial.level_grid: D while each block keeps a plane, then D and H)."""
         if self.depth_shards <= 1:
             return None
-        edge, n = 2 ** (self.scale - level), self.depth_shards
-        if edge >= n:
-            return (n, 1)
-        return (edge, n // edge) if edge * edge >= n else None
+        from scaffold.spatial import level_grid
+
+        g = level_grid(2 ** (self.scale - level), self.depth_shards)
+        return None if g is None else (g.pd, g.ph)
 
     def split(self, level: int) -> bool:
         """Whether `level`'s tensors are split over the shard group."""
@@ -344,7 +344,6 @@ class _Live:
 @dataclass(frozen=True)
 class Walk:
     saved: int  # bytes the backward keeps at the end of the forward (what saved-tensor hooks count)
-    saved_outside: int  # of which saved by ops outside recompute segments (hooks see only these)
     forward_peak: int  # live activation bytes at the forward's peak
     backward_peak: int  # live activation + gradient bytes at the backward's peak (param grads included)
     eval_peak: int  # live bytes of a forward without autograd (evaluation)
@@ -403,14 +402,12 @@ def walk(s: StepShape) -> Walk:
     live = _Live()
     _forward(ops, keep, holders, live)
     held = {t for t, n in holders.items() if n > 0}
-    outside = {t for op in ops if op.segment is None for t in op.saved}
     saved = sum(t.nbytes for t in held)
-    saved_outside = sum(t.nbytes for t in held & outside)
     forward_peak = live.peak
 
     live.peak = live.now
     _backward(ops, keep, holders, segments, seg_inputs, logits, live)
-    return Walk(saved, saved_outside, forward_peak, live.peak, _eval_peak(s))
+    return Walk(saved, forward_peak, live.peak, _eval_peak(s))
 
 
 def _release(t: _T, holders: dict, keep: set, live: _Live) -> None:

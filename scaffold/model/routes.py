@@ -19,6 +19,7 @@ backward-weight.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -108,12 +109,8 @@ def beyond_int32(x_shape: Sequence[int], w_shape: Sequence[int], stride, padding
         cout = int(w_shape[0])
         out = [(int(s) + 2 * int(p) - int(d) * (int(k) - 1) - 1) // int(st) + 1
                for s, k, st, p, d in zip(x_shape[2:], w_shape[2:], stride, padding, dilation)]
-    numel_in = 1
-    for s in x_shape:
-        numel_in *= int(s)
-    numel_out = n * cout
-    for s in out:
-        numel_out *= max(s, 0)
+    numel_in = math.prod(int(s) for s in x_shape)
+    numel_out = n * cout * math.prod(max(s, 0) for s in out)
     return max(numel_in, numel_out) > INT32_MAX
 
 
