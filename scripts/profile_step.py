@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--part", action="append", default=[],
+                    help="also list every kernel of this part (e.g. other, optimizer); repeatable")
     ap.add_argument("--out", default="bench_results/profile_step.json")
     args = ap.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
@@ -54,11 +56,17 @@ def main(argv=None) -> int:
     print(f"profiled step: {wall:.2f} s wall; device ms by part: "
           + ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
     for name, ms in top:
-        print(f"{ms:10.1f} ms  {name[:140]}")
+        print(f"{ms:10.3f} ms  {category(name):9s}  {name[:130]}")
+    for part in args.part:
+        listed = sorted(((n, ms) for n, ms in kernels.items() if category(n) == part), key=lambda kv: -kv[1])
+        print(f"part {part}: {sum(ms for _, ms in listed):.3f} ms in {len(listed)} kernel names")
+        for name, ms in listed:
+            print(f"{ms:10.3f} ms  {name[:140]}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"scale": args.scale, "variant": args.variant, "device": torch.cuda.get_device_name(dev),
-                   "steps": steps, "profiled_wall_s": wall, "device_ms_by_part": parts, "top_kernels_ms": top},
+                   "steps": steps, "profiled_wall_s": wall, "device_ms_by_part": parts, "top_kernels_ms": top,
+                   "kernels_ms": {n: [category(n), ms] for n, ms in kernels.items()}},
                   f, indent=1)
     return 0
 
