@@ -10,10 +10,9 @@ rule of the graph lives here:
 - Why: at 128³ a step launches hundreds of kernels through Python and the autograd engine, which can
   cost the host more time than the device needs to run them. A replay is one launch.
 - What: the input built from a static mask buffer, the forward, the loss, the backward, the gradient
-  clip (sync-free: the norm and the clip factor stay on the device) and Adam. On CUDA, Adam is ours
-  (scaffold.kernels.adam: the clip's norm and the update in three launches over all parameters, its
-  step count and learning rate on the device; torch's fused, capturable Adam where Triton is missing):
-  the scheduler writes the new rate into that tensor in place between epochs, and the graph
+  clip (sync-free: the norm and the clip factor stay on the device) and Adam. On CUDA, Adam is torch's
+  fused, capturable Adam (one kernel over all parameters, its step count and learning rate on the
+  device): the scheduler writes the new rate into that tensor in place between epochs, and the graph
   reads it there. Its state must exist before the capture (a lazy initialization captured in the graph
   would zero it on every replay), so the warm-up passes run whole steps and the parameters and state are
   restored afterwards, bit for bit.
@@ -53,24 +52,14 @@ def amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
 
 
 def make_optimizer(params, cfg: Any) -> torch.optim.Optimizer:
-    """Adam as the config says (lr, optim.weight_decay). On CUDA: ours (scaffold.kernels.adam: the
-    clip's norm and Adam in three launches over all parameters, the clip folded in by TrainStep), else
-    torch's fused Adam; either capturable, its learning rate a device tensor, so a CUDA graph can hold
-    the whole step (eager CUDA steps use the same kernels, so graphed and eager runs keep the same
-    bits). On the CPU: torch's default (foreach) Adam."""
+    """Adam as the config says (lr, optim.weight_decay). On CUDA: fused and capturable, its learning
+    rate a device tensor, so a CUDA graph can hold the whole step (eager CUDA steps use the same kernel,
+    so graphed and eager runs keep the same bits); on the CPU: torch's default (foreach) Adam."""
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
     if device.type == "cuda":
-        lr = torch.tensor(float(cfg.lr), device=device)
-        from scaffold.kernels.lib.device import interpreting, triton_importable
-
-        if triton_importable() and not interpreting():
-            from scaffold.kernels import adam
-
-            if adam.supported(params):
-                return adam.Adam(params, lr=lr, weight_decay=cfg.optim.weight_decay)
-        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.optim.weight_decay, fused=True,
-                                capturable=True)
+        return torch.optim.Adam(params, lr=torch.tensor(float(cfg.lr), device=device),
+                                weight_decay=cfg.optim.weight_decay, fused=True, capturable=True)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.optim.weight_decay)
 
 
@@ -85,7 +74,7 @@ def keep_lr_on_device(optimizer: torch.optim.Optimizer) -> None:
             if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
                 st[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
     for group in optimizer.param_groups:
-        if not (group.get("fused") or group.get("capturable")):
+        if not group.get("fused"):
             continue
         device = group["params"][0].device
         lr = group["lr"]
@@ -131,13 +120,7 @@ class TrainStep:
         # With fused Adam the clip is folded into the optimizer: the clip factor goes in as Adam's
         # gradient divisor (its `grad_scale`, the hook AMP's GradScaler uses), so the gradients are not
         # rewritten in a pass of their own.
-        # Ours (scaffold.kernels.adam) computes the norm and the factor itself: told the clip, it
-        # needs nothing more.
-        self.clip_inside = hasattr(optimizer, "max_norm")
-        if self.clip_inside:
-            optimizer.max_norm = max(0.0, float(grad_clip))
-        self.fold_clip = grad_clip > 0 and not self.clip_inside and \
-            all(g.get("fused") for g in optimizer.param_groups)
+        self.fold_clip = grad_clip > 0 and all(g.get("fused") for g in optimizer.param_groups)
         if self.fold_clip:
             device = self.params[0].device
             self._no_inf = torch.zeros((), device=device)
@@ -162,7 +145,7 @@ class TrainStep:
         loss, dice = self.forward_backward(masks)
         if self.fold_clip:
             fold_clip(self.optimizer, self.params, self.grad_clip, self._no_inf)
-        elif self.grad_clip > 0 and not self.clip_inside:
+        elif self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
         self.optimizer.step()
         return loss, dice
