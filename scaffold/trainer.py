@@ -236,7 +236,7 @@ class Trainer:
         self.position: Optional[Position] = None  # set by a resume from an interrupted epoch
         self.writer = checkpoint.Writer(self.run_dir / "checkpoints", background=True)
         self.final_wait_s = 0.0  # the host's wait, at the target epoch, for the last writes to land
-        self.submit_s = 0.0  # host time in checkpoint submits (snapshot enqueue + any wait), every epoch
+        self.submit_s = 0.0  # host time in checkpoint submits (state, snapshot enqueue, any wait), this process
         self.eval_graph: Optional[EvalGraph] = None
         self.stop = StopRequest()
         self.on_first_step = None  # callback() after the first real step (the census)
@@ -513,8 +513,9 @@ class Trainer:
             if due and self.place.is_main:
                 t0 = time.perf_counter()
                 self.writer.submit(self.state(), is_best)  # queued behind a write in flight, if any
-                self.submit_s += time.perf_counter() - t0
-                p.wall_time += time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                self.submit_s += spent
+                p.wall_time += spent
             if p.target_epoch is not None:
                 # The run ends here: the user waits for the last write too, so it counts.
                 t0, waited = time.perf_counter(), self.writer.waited_s

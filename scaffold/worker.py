@@ -340,7 +340,8 @@ def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], 
         "checkpoint_wait_s": trainer.writer.waited_s,  # host time spent waiting for background writes
         "checkpoint_final_wait_s": trainer.final_wait_s,  # of which at the target epoch, for the last writes
         # host time the epochs spent handing checkpoints over (state, snapshot enqueue, waits): with the
-        # final wait, what checkpoints cost the wall clock up to the target
+        # final wait, what checkpoints cost the wall clock up to the target (like the two waits above,
+        # counted by this process: a resumed run's figure covers the epochs since the resume)
         "checkpoint_submit_s": trainer.submit_s,
         # CPU time and machine load beside the wall times: a slow run starved of cores (CPU well
         # below threads x wall, high load) reads differently from one that is slow on its own.
