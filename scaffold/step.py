@@ -10,10 +10,11 @@ rule of the graph lives here:
 - Why: at 128³ a step launches hundreds of kernels through Python and the autograd engine, which can
   cost the host more time than the device needs to run them. A replay is one launch.
 - What: the input built from a static mask buffer, the forward, the loss, the backward, the gradient
-  clip (sync-free: the norm and the clip factor stay on the device) and Adam. On CUDA, Adam is torch's
-  fused, capturable Adam (one kernel over all parameters, its step count and learning rate on the
-  device): the scheduler writes the new rate into that tensor in place between epochs, and the graph
-  reads it there. Its state must exist before the capture (a lazy initialization captured in the graph
+  clip (sync-free: the norm and the clip factor stay on the device) and Adam. On CUDA, Adam is ours
+  (scaffold.kernels.adam: the clip's norm and the update in three launches over all parameters, and the
+  convolutions' bf16 working copies written with the update; torch's fused, capturable Adam where
+  Triton is missing), its step count and learning rate on the device: the scheduler writes the new rate
+  into that tensor in place between epochs, and the graph reads it there. Its state must exist before the capture (a lazy initialization captured in the graph
   would zero it on every replay), so the warm-up passes run whole steps and the parameters and state are
   restored afterwards, bit for bit.
 - Same bits as eager: a replay runs the same kernels with the same arguments in the same order.
@@ -51,15 +52,35 @@ def amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
     return None
 
 
-def make_optimizer(params, cfg: Any) -> torch.optim.Optimizer:
-    """Adam as the config says (lr, optim.weight_decay). On CUDA: fused and capturable, its learning
-    rate a device tensor, so a CUDA graph can hold the whole step (eager CUDA steps use the same kernel,
-    so graphed and eager runs keep the same bits); on the CPU: torch's default (foreach) Adam."""
-    params = list(params)
+def make_optimizer(model: torch.nn.Module, cfg: Any, working: bool = False) -> torch.optim.Optimizer:
+    """Adam over `model`'s parameters as the config says (lr, optim.weight_decay).
+
+    On CUDA: ours (scaffold.kernels.adam: the clip's norm and Adam in three launches over all
+    parameters; TrainStep hands it the clip), else torch's fused Adam; either capturable, its learning
+    rate a device tensor, so a CUDA graph can hold the whole step (eager CUDA steps use the same
+    kernels, so graphed and eager runs keep the same bits). With `working` and bf16 autocast, ours also
+    gives the convolutions bf16 working copies of their weights (scaffold.model.ladder), written at each
+    step, so no cast of a weight or of its gradient runs; for one process whose model is called as it is
+    (a DDP wrapper or a sharded model reduces the parameters' own gradients: they keep fp32 ones).
+    On the CPU: torch's default (foreach) Adam."""
+    params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     if device.type == "cuda":
-        return torch.optim.Adam(params, lr=torch.tensor(float(cfg.lr), device=device),
-                                weight_decay=cfg.optim.weight_decay, fused=True, capturable=True)
+        lr = torch.tensor(float(cfg.lr), device=device)
+        from scaffold.kernels.lib.device import interpreting, triton_importable
+
+        if triton_importable() and not interpreting():
+            from scaffold.kernels import adam
+
+            if adam.supported(params):
+                copies = None
+                if working and amp_dtype(cfg.precision, device) == torch.bfloat16:
+                    from scaffold.model.ladder import attach_working_copies
+
+                    copies = attach_working_copies(model, torch.bfloat16)
+                return adam.Adam(params, lr=lr, weight_decay=cfg.optim.weight_decay, working=copies)
+        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.optim.weight_decay, fused=True,
+                                capturable=True)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.optim.weight_decay)
 
 
@@ -74,7 +95,7 @@ def keep_lr_on_device(optimizer: torch.optim.Optimizer) -> None:
             if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
                 st[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
     for group in optimizer.param_groups:
-        if not group.get("fused"):
+        if not (group.get("fused") or group.get("capturable")):
             continue
         device = group["params"][0].device
         lr = group["lr"]
@@ -116,11 +137,20 @@ class TrainStep:
         self.net, self.loss_fn, self.optimizer, self.palette = net, loss_fn, optimizer, palette
         self.autocast, self.grad_clip = autocast, grad_clip
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        # The tensors whose `.grad` the backward writes: the parameters, or their working copies.
+        grad_leaves = getattr(optimizer, "grad_leaves", None)
+        self.leaves = grad_leaves() if grad_leaves is not None else self.params
         self.graph: Optional[_StepGraph] = None
-        # With fused Adam the clip is folded into the optimizer: the clip factor goes in as Adam's
-        # gradient divisor (its `grad_scale`, the hook AMP's GradScaler uses), so the gradients are not
-        # rewritten in a pass of their own.
-        self.fold_clip = grad_clip > 0 and all(g.get("fused") for g in optimizer.param_groups)
+        # Ours (scaffold.kernels.adam) computes the norm and the clip factor itself: told the clip, it
+        # needs nothing more.
+        self.clip_inside = hasattr(optimizer, "max_norm")
+        if self.clip_inside:
+            optimizer.max_norm = max(0.0, float(grad_clip))
+        # With torch's fused Adam the clip is folded into the optimizer: the clip factor goes in as
+        # Adam's gradient divisor (its `grad_scale`, the hook AMP's GradScaler uses), so the gradients
+        # are not rewritten in a pass of their own.
+        self.fold_clip = grad_clip > 0 and not self.clip_inside and \
+            all(g.get("fused") for g in optimizer.param_groups)
         if self.fold_clip:
             device = self.params[0].device
             self._no_inf = torch.zeros((), device=device)
@@ -145,7 +175,7 @@ class TrainStep:
         loss, dice = self.forward_backward(masks)
         if self.fold_clip:
             fold_clip(self.optimizer, self.params, self.grad_clip, self._no_inf)
-        elif self.grad_clip > 0:
+        elif self.grad_clip > 0 and not self.clip_inside:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
         self.optimizer.step()
         return loss, dice
@@ -174,7 +204,7 @@ class TrainStep:
         try:
             keep_lr_on_device(self.optimizer)
             with _restored(self.params, self.optimizer):
-                self.graph = _StepGraph(self.whole_step, self.params, example)
+                self.graph = _StepGraph(self.whole_step, self.leaves, example)
         except Exception as e:  # noqa: BLE001 - `auto` keeps training, eagerly; `on` promised a graph
             if required:
                 raise
@@ -214,6 +244,9 @@ class _restored:
                         v.zero_()  # what a first step would have created: zeros, step 0
                     else:
                         v.copy_(self.saved_state[p][k])
+        refresh = getattr(self.optimizer, "refresh_working", None)
+        if refresh is not None:  # the working copies of the parameters put back
+            refresh()
         self.saved_params = self.saved_state = None
 
 
@@ -222,11 +255,12 @@ class _StepGraph:
     returns the graph's own output tensors (see the module docstring for the rules). The warm-up runs
     real steps: the caller restores parameters and optimizer state afterwards."""
 
-    def __init__(self, step: Callable[[torch.Tensor], tuple], params: list[torch.nn.Parameter],
+    def __init__(self, step: Callable[[torch.Tensor], tuple], leaves: list[torch.Tensor],
                  example: torch.Tensor, warmup: int = 2):
+        """`leaves`: the tensors whose `.grad` the backward writes (parameters or working copies)."""
         if example.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA tensor, got one on {example.device}")
-        self.params = [p for p in params if p.requires_grad]
+        self.params = [p for p in leaves if p.requires_grad]
         self.masks = example.clone()
         device = example.device
         side = torch.cuda.Stream(device)
@@ -252,7 +286,7 @@ class _StepGraph:
         return masks.shape == m.shape and masks.dtype == m.dtype and masks.device == m.device
 
     def run(self, masks: torch.Tensor) -> tuple:
-        """One whole step on `masks` (the gradients land in the parameters' `.grad`, then Adam)."""
+        """One whole step on `masks` (the gradients land in the leaves' `.grad`, then Adam)."""
         self.masks.copy_(masks)
         self.graph.replay()
         return self.outputs

@@ -63,7 +63,8 @@ CATEGORIES = (
     ("loss", ("_loss_", "softmax", "nll")),
     ("conv", ("conv", "Conv", "cudnn", "xmma", "cutlass", "sm90_", "implicit", "wgrad", "dgrad",
               "_bias_grad_kernel")),
-    ("optimizer", ("multi_tensor", "foreach", "adam", "Adam", "norm_kernel")),
+    ("optimizer", ("multi_tensor", "foreach", "adam", "Adam", "norm_kernel", "_sq_partials_kernel",
+                   "_clip_kernel")),
 )
 
 
@@ -122,7 +123,8 @@ def make_step(variant: str, scale: int, width: int, device: torch.device, n_clas
     if variant in ("vendor", "compiled"):  # stock PyTorch: the optimizer a user gets by default
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.optim.weight_decay)
     else:
-        optimizer = make_optimizer(model.parameters(), cfg)
+        # working copies as the trainer has them: for the model itself, without recompute
+        optimizer = make_optimizer(model, cfg, working=net is model and model.recompute == "off")
     step = TrainStep(net, loss_fn, optimizer, palette, amp_dtype(cfg.precision, device), cfg.optim.grad_clip)
     if variant.split("+")[0] == "graphed":
         if device.type != "cuda":

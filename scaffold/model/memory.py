@@ -69,6 +69,8 @@ class StepShape:
     graph: bool = False  # the step captured as a CUDA graph
     data_bytes: int = 0  # masks kept on the device beside the step (the trainer keeps the dataset)
     data_parallel: bool = False  # under DDP, whose gradient buckets hold a second copy of the gradients
+    working: bool = False  # bf16 working copies of the conv weights (scaffold.kernels.adam): kept
+    # between steps instead of cast in each step, and the weight gradients stay bf16
     depth_shards: int = 1  # D split over this many devices (scaffold.spatial): each holds all the
     # parameters, a D-slab of every volume and of each split level's activations (a level is split
     # while its edge has at least one plane per shard; deeper levels run whole on every shard)
@@ -150,6 +152,7 @@ class _Builder:
     def __init__(self, s: StepShape):
         self.s, self.ops = s, []
         self.a = 2 if s.amp else 4  # bytes per activation element
+        self.g = 2 if s.amp and s.working else 4  # bytes per element of a conv weight's gradient
         self.segment: Optional[int] = None
         self.n_segments = 0
 
@@ -166,7 +169,8 @@ class _Builder:
         """A conv: under autocast its input (when not yet bf16) and weight are cast to bf16, and the
         backward keeps both; the weight's bf16 gradient is cast to the fp32 parameter's."""
         numel = taps * cin * cout
-        wcopy = [_T(2 * numel, grad=False)] if self.s.amp else []  # its gradient is `grad_temp`
+        cast = self.s.amp and not self.s.working  # the weight cast in the step (and its gradient back)
+        wcopy = [_T(2 * numel, grad=False)] if cast else []  # its gradient is `grad_temp`
         halo = taps == 27 and self.s.split(level)  # scaffold.spatial.HaloConv3d: D + 2 planes, then cut
         if halo:
             per_voxel = x.nbytes // self.s.voxels(level)
@@ -186,8 +190,8 @@ class _Builder:
         y = self.act(cout, level, halo=halo)
         for w in wcopy:
             self.op([], [w])
-        self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=4 * (numel + (cout if bias else 0)),
-                grad_temp=2 * numel if self.s.amp else 0)
+        self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=self.g * (numel + (cout if bias else 0)),
+                grad_temp=2 * numel if cast else 0)
         if halo:  # the slab's planes of the output, copied out
             slab = self.act(cout, level)
             self.op([y], [slab])
@@ -196,14 +200,15 @@ class _Builder:
 
     def conv_transpose(self, x: _T, cin: int, cout: int, level: int) -> _T:
         numel = 8 * cin * cout
-        wcopy = [_T(2 * numel, grad=False)] if self.s.amp else []
+        cast = self.s.amp and not self.s.working
+        wcopy = [_T(2 * numel, grad=False)] if cast else []
         cut = self.s.split(level) and not self.s.split(level + 1)  # whole below: made whole, then cut
         moved = self.s.split(level + 1) and self.s.grid(level + 1) != self.s.grid(level)
         y = self.act(cout, level, whole=cut)
         for w in wcopy:
             self.op([], [w])
-        self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=4 * (numel + cout),
-                grad_temp=2 * numel if self.s.amp else 0)
+        self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=self.g * (numel + cout),
+                grad_temp=2 * numel if cast else 0)
         if cut or moved:  # cut to this level's block, or moved to its split (scaffold.spatial.redistribute)
             block = self.act(cout, level)
             self.op([y], [block])
@@ -479,6 +484,7 @@ class Estimate:
     buckets: int = 0  # DDP's gradient buckets
     evaluate: bool = True  # the run evaluates (a forward without autograd) between epochs
     warmup_copy: int = 0  # the trainer's warm-up runs on a copy of the model and its optimizer
+    working_copies: int = 0  # bf16 working copies of the conv weights, kept between steps
 
     @property
     def data(self) -> int:
@@ -501,7 +507,7 @@ class Estimate:
     @property
     def static(self) -> int:
         """What stays allocated across steps: parameters, Adam's state, DDP's buckets, the data."""
-        return self.params + self.adam + self.buckets + self.data
+        return self.params + self.working_copies + self.adam + self.buckets + self.data
 
     @property
     def max_allocated(self) -> int:
@@ -537,9 +543,14 @@ def estimate(s: StepShape, evaluate: bool = True, warmup: bool = False) -> Estim
     warm-up copy of the model and optimizer."""
     p = param_count(s.scale, s.bottleneck, s.base_width, s.in_channels, s.n_classes)
     # torch's Adam: foreach on CUDA (a temporary the size of one moment); one tensor at a time on CPU.
+    # Ours with working copies (scaffold.kernels.adam) updates in place: no temporary; the copies are
+    # 2 bytes a parameter, and so are the gradients (the GroupNorms' few are fp32: counted as bf16).
     temp = 4 * p if s.device == "cuda" else 4 * _largest_param(s)
-    return Estimate(s, 4 * p, 4 * p, 8 * p, temp, walk(s), 4 * p if s.data_parallel else 0, evaluate,
-                    4 * p if warmup else 0)
+    working = 2 * p if s.amp and s.working else 0
+    if working:
+        temp = 0
+    return Estimate(s, 4 * p, 2 * p if working else 4 * p, 8 * p, temp, walk(s),
+                    4 * p if s.data_parallel else 0, evaluate, (4 * p + working) if warmup else 0, working)
 
 
 def _largest_param(s: StepShape) -> int:
@@ -584,7 +595,9 @@ def shape_from_config(cfg: Any, device: str, recompute: str = "off", n_classes: 
         data_bytes = masks_on_device(cfg, device, capacity if capacity is not None else 1 << 62)
     return StepShape(cfg.scale, m.bottleneck, m.base_width, m.groups, 3,
                      n_classes if n_classes is not None else cfg.data.n_categories + 1, cfg.batch_size,
-                     amp, device, fused, recompute, graph, data_bytes, world > 1, shards)
+                     amp, device, fused, recompute, graph, data_bytes, world > 1,
+                     # working copies: as scaffold.trainer.Trainer decides them
+                     device == "cuda" and amp and world == 1 and shards == 1 and recompute == "off", shards)
 
 
 @dataclass(frozen=True)
@@ -673,7 +686,7 @@ def plan_recompute(cfg: Any, device: Any, n_classes: Optional[int] = None,
     warmup = cfg.warmup_steps > 0 if warmup is None else warmup
     off = estimate(shape_from_config(cfg, device.type, "off", n_classes, data_bytes, memory.total),
                    evaluate, warmup)
-    blocks = estimate(replace(off.shape, recompute="blocks"), evaluate, warmup)
+    blocks = estimate(replace(off.shape, recompute="blocks", working=False), evaluate, warmup)
     eager = None
     if blocks.shape.graph and getattr(cfg, "cuda_graph", "") == "auto":
         eager = estimate(replace(blocks.shape, graph=False), evaluate, warmup)
@@ -706,8 +719,8 @@ def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 12
     needs = {}
     n = 2
     while n <= min(most, 2**s.scale):
-        # sharded: no CUDA graph (as shape_from_config has it)
-        needs[n] = estimate(replace(s, depth_shards=n, graph=False), warmup=warmup).need
+        # sharded: no CUDA graph and no working copies (as shape_from_config has it)
+        needs[n] = estimate(replace(s, depth_shards=n, graph=False, working=False), warmup=warmup).need
         if needs[n] <= capacity:
             return n
         n *= 2

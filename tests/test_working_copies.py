@@ -1,0 +1,86 @@
+"""bf16 working copies of the convolutions' weights (scaffold.model.ladder.attach_working_copies with
+scaffold.kernels.adam.Adam): the step computes with the same values as autocast's casts, so the same
+bits, with no cast of a weight or of its gradient in the step. On the CPU under Triton's interpreter
+(bf16 autocast), compiled on CUDA."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from scaffold.kernels import adam as A  # noqa: E402
+from scaffold.kernels.lib.device import triton_usable  # noqa: E402
+from scaffold.loss import SegmentationLoss  # noqa: E402
+from scaffold.model.ladder import FastConv3d, FastConvTranspose3d, attach_working_copies  # noqa: E402
+from scaffold.model.unet import UNet3d  # noqa: E402
+from scaffold.step import TrainStep  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not triton_usable(torch.zeros(1, device=DEV)),
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _model():
+    torch.manual_seed(0)
+    m = UNet3d(3, bottleneck=2, base_width=4, groups=2, n_classes=3).to(DEV)
+    return m.to(memory_format=torch.channels_last_3d) if DEV == "cuda" else m
+
+
+def _step(model, working: bool):
+    copies = attach_working_copies(model) if working else None
+    opt = A.Adam(list(model.parameters()), lr=torch.tensor(1e-2, device=DEV), working=copies)
+    loss = SegmentationLoss([1.0, 2.0, 2.0]).to(DEV)
+    palette = torch.rand(3, 3, generator=torch.Generator().manual_seed(1)).to(DEV)
+    return TrainStep(model, loss, opt, palette, torch.bfloat16, grad_clip=1.0), copies
+
+
+def _masks():
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, 3, (3, 1, 8, 8, 8), generator=g, dtype=torch.uint8).to(DEV)
+
+
+def test_working_copies_change_no_bit_and_take_the_gradients():
+    plain, working = _model(), _model()
+    working.load_state_dict(plain.state_dict())
+    ref, _ = _step(plain, working=False)
+    step, copies = _step(working, working=True)
+    sites = [m for m in working.modules() if isinstance(m, (FastConv3d, FastConvTranspose3d))]
+    assert sites and set(copies) == {p for m in sites for p in (m.weight, m.bias) if p is not None}
+    for masks in _masks():
+        a, b = ref(masks), step(masks)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for p, q in zip(plain.parameters(), working.parameters()):
+            assert torch.equal(p, q)
+        for p, w in copies.items():  # each step wrote the copy as the parameter rounded to bf16
+            assert w.dtype == torch.bfloat16 and torch.equal(w, p.detach().to(torch.bfloat16))
+    # The backward left every conv gradient, bf16, in the copy; the fp32 parameter got none.
+    step.forward_backward(_masks()[0])
+    for p, w in copies.items():
+        assert p.grad is None and w.grad is not None and w.grad.dtype == torch.bfloat16
+
+
+def test_loading_a_state_dict_makes_the_copies_again():
+    model = _model()
+    _, copies = _step(model, working=True)
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(3.0)
+    model.load_state_dict(other.state_dict())
+    assert all(torch.equal(w, p.detach().to(torch.bfloat16)) for p, w in copies.items())
+
+
+def test_outside_autocast_the_parameters_are_used():
+    """Evaluation in fp32 (no autocast) reads the fp32 parameters, not the bf16 copies."""
+    model = _model()
+    attach_working_copies(model)
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        if isinstance(m, (FastConv3d, FastConvTranspose3d)):
+            m.working = None
+    x = torch.rand(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(3)).to(DEV)
+    with torch.no_grad():
+        assert torch.equal(model(x), twin(x))
