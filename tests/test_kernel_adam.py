@@ -14,7 +14,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not triton_usable(torch.zeros(1, device=DEV)),
                                 reason="needs CUDA or TRITON_INTERPRET=1")
 
-# Sizes across chunk boundaries (BLOCK = 4096): shorter than one, exactly one, several with a tail;
+# Sizes across chunk boundaries (A.BLOCK elements): shorter than one, exactly one, several with a tail;
 # a channels-last 5D weight as the model's convolutions have.
 SHAPES = [(37,), (A.BLOCK,), (2 * A.BLOCK + 5,), (4, 3, 3, 3, 3)]
 

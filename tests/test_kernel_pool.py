@@ -116,3 +116,58 @@ def test_gpu_model_sites_bitwise_and_repeatable(shape):
     y2, i2 = P.pool_forward(x)
     y3, i3 = P.pool_forward(x)
     assert torch.equal(bits(y2), bits(y3)) and torch.equal(i2, i3)
+
+
+# The tests below run on CUDA where there is a GPU, else on the CPU under Triton's interpreter.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["cl", "ncdhw"])
+def test_the_skip_gradient_added_in_the_backward_gives_autograds_sum(dtype, layout):
+    """(pool(x), x) from max_pool2_with_skip: the same values, and x's gradient bitwise the one
+    autograd gives when the pool and the skip read x apart (its two gradients summed by an add),
+    including a skip gradient in another layout, signed zeros, and one of the two gradients absent."""
+    x = make((2, 5, 4, 6, 4), dtype, seed=3, layout=layout).to(DEV)
+    gen = torch.Generator().manual_seed(4)
+    gy = torch.randn(2, 5, 2, 3, 2, generator=gen).to(DEV, dtype)
+    gs = torch.randn(x.shape, generator=gen).to(DEV, dtype)
+    gs[0, 0] = -0.0  # 0 + (-0) is +0 in autograd's add: the fused sum must agree
+    for upstream in ((gy, gs), (gy, gs.contiguous()), (gy, None), (None, gs)):
+        a = x.clone().requires_grad_()
+        b = x.clone().requires_grad_()
+        ya, skip = P.max_pool2_with_skip(a)
+        yb = P.max_pool2(b)
+        assert torch.equal(bits(ya), bits(yb)) and torch.equal(bits(skip), bits(x))
+        outs_a = [t for t, g in zip((ya, skip), upstream) if g is not None]
+        outs_b = [t for t, g in zip((yb, b), upstream) if g is not None]
+        grads = [g for g in upstream if g is not None]
+        (da,) = torch.autograd.grad(outs_a, a, grads)
+        (db,) = torch.autograd.grad(outs_b, b, grads)
+        assert torch.equal(bits(da), bits(db))
+
+
+def test_the_unet_with_the_fused_skip_gradient_gives_the_bits_of_the_plain_one(monkeypatch):
+    """The U-Net reads its skips from the pool (Down.with_skip): its loss and every parameter's gradient
+    are bitwise those of the model whose skips read x apart from the pool."""
+    from scaffold.config import LadderConfig
+    from scaffold.model.blocks import Down
+    from scaffold.model.ladder import set_ladder
+    from scaffold.model.unet import UNet3d
+
+    torch.manual_seed(0)
+    model = UNet3d(3, bottleneck=2, base_width=4, groups=2, n_classes=3).to_device(DEV)
+    set_ladder(model, LadderConfig(pool="triton"))
+    x = torch.randn(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(5)).to(DEV)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    fused = grads()
+    monkeypatch.setattr(Down, "with_skip", lambda self, t: (t, self(t)))
+    plain = grads()
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    assert {n for _, m in model.named_modules() for n in getattr(m, "rungs_ran", ())
+            if type(m).__name__ == "FastMaxPool2"} == {"triton"}

@@ -43,7 +43,8 @@ import triton.language as tl
 
 from scaffold.kernels.lib.rounding import cast_rne, to_f32
 
-BLOCK = 4096
+BLOCK = 2048  # elements of one tensor per program
+WARPS = 8  # of the update (BLOCK and WARPS: the fastest of an H200 sweep, docs/performance-log.md)
 ALIGN = 16  # bytes: every tensor's start, so that whole chunks load as 16-byte vectors
 _TABLES_KEPT = 16  # address tables kept besides those a CUDA graph captured
 
@@ -356,5 +357,5 @@ class Adam(torch.optim.Adam):
             wd = float(group["weight_decay"])
             _adam_kernel[(programs,)](*tabs, kind, chunk_t, chunk_s, numel, lr, steps[0], norm,
                                       float(beta1), float(beta2), float(group["eps"]), wd,
-                                      CLIP=clip, DECAY=wd != 0.0, BLOCK=BLOCK, num_warps=8)
+                                      CLIP=clip, DECAY=wd != 0.0, BLOCK=BLOCK, num_warps=WARPS)
         return loss

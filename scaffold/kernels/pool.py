@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from .lib.device import triton_usable
 from .lib.indexing import cdiv, next_pow2, voxel_coords
 from .lib.layout import empty_channels_last
-from .lib.rounding import to_f32
+from .lib.rounding import cast_rne, to_f32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements of one window offset per program (the forward makes 8 loads of this many, the backward 8
@@ -66,9 +66,10 @@ def _pool_fwd_kernel(x_ptr, y_ptr, i_ptr, P, C, DO, HO, WO,
 
 
 @triton.jit
-def _pool_bwd_kernel(g_ptr, i_ptr, dx_ptr, P, C, DO, HO, WO,
+def _pool_bwd_kernel(g_ptr, i_ptr, dx_ptr, a_ptr, P, C, DO, HO, WO,
                      sgn, sgc, sgd, sgh, sgw, sin, sic, sid, sih, siw, sxn, sxc, sxd, sxh, sxw,
-                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                     san, sac, sad, sah, saw,
+                     ADD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (p < P)[:, None] & (c < C)[None, :]
@@ -77,9 +78,15 @@ def _pool_bwd_kernel(g_ptr, i_ptr, dx_ptr, P, C, DO, HO, WO,
                     mask=mask).to(tl.int32)
     dst = dx_ptr + _offsets(p, c, DO, HO, WO, sxn, sxc, sxd, sxh, sxw, 2)
     zero = tl.zeros((BLOCK_P, BLOCK_C), dtype=g.dtype)
+    if ADD:
+        src = a_ptr + _offsets(p, c, DO, HO, WO, san, sac, sad, sah, saw, 2)
     for k in tl.static_range(8):
         off = (k // 4) * sxd + ((k // 2) % 2) * sxh + (k % 2) * sxw
-        tl.store(dst + off, tl.where(index == k, g, zero).to(dx_ptr.dtype.element_ty), mask=mask)
+        v = tl.where(index == k, g, zero)
+        if ADD:  # the input's other gradient, added as autograd adds two gradients: in fp32, rounded once
+            a = tl.load(src + (k // 4) * sad + ((k // 2) % 2) * sah + (k % 2) * saw, mask=mask)
+            v = cast_rne(to_f32(v) + to_f32(a), dx_ptr.dtype.element_ty)
+        tl.store(dst + off, v.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _geometry(pooled: int, c: int, tile: int):
@@ -110,14 +117,21 @@ def pool_forward(x: torch.Tensor, out: Optional[torch.Tensor] = None,
 
 
 def pool_backward(g: torch.Tensor, index: torch.Tensor, dtype: torch.dtype,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  out: Optional[torch.Tensor] = None, add: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dx (N, C, 2D', 2H', 2W') in `dtype`, channels-last (or into `out`): g where the window's index
-    points, else 0. g and index may have any strides. Reads dy and the index and writes dx once."""
+    points, else 0, plus `add` (a gradient of the same input from another consumer, any strides)
+    where given, summed as autograd sums two gradients. g and index may have any strides. Reads dy,
+    the index (and `add`) and writes dx once."""
     n, c, do, ho, wo = g.shape
     dx = empty_channels_last((n, c, 2 * do, 2 * ho, 2 * wo), dtype, g.device) if out is None else out
+    if add is not None and (add.shape != dx.shape or add.dtype != dtype):
+        raise ValueError(f"pool_backward: add must be {tuple(dx.shape)} {dtype}, got {tuple(add.shape)} "
+                         f"{add.dtype}")
     grid, meta = _geometry(n * do * ho * wo, c, _BWD_TILE)
-    _pool_bwd_kernel[grid](g, index, dx, n * do * ho * wo, c, do, ho, wo, *g.stride(),
-                           *index.stride(), *dx.stride(), **meta, num_warps=4)
+    a = dx if add is None else add
+    _pool_bwd_kernel[grid](g, index, dx, a, n * do * ho * wo, c, do, ho, wo, *g.stride(),
+                           *index.stride(), *dx.stride(), *a.stride(), ADD=add is not None, **meta,
+                           num_warps=4)
     return dx
 
 
@@ -134,6 +148,30 @@ class _MaxPoolFn(torch.autograd.Function):
     def backward(ctx, g):
         (index,) = ctx.saved_tensors
         return pool_backward(g, index, ctx.dtype)
+
+
+class _MaxPoolSkipFn(torch.autograd.Function):
+    """(pool(x), x): the pool and its input as the skip connection reads it, so that the input's two
+    gradients (the decoder's, through the skip, and the pool's) meet in the pool's backward, one pass,
+    instead of in an add of their own over the full-size tensor."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y, index = pool_forward(x)
+        ctx.save_for_backward(index)
+        ctx.dtype = x.dtype
+        ctx.set_materialize_grads(False)  # a gradient that never came stays None, not zeros: 0 + (-0) is +0
+        return y, x  # x returned as is: autograd gives the caller a view of it, whose gradient comes here
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g, g_skip):
+        (index,) = ctx.saved_tensors
+        if g is None:  # only the skip's gradient (None too when neither output was used)
+            return g_skip
+        if g_skip is not None and g_skip.dtype != ctx.dtype:
+            g_skip = g_skip.to(ctx.dtype)
+        return pool_backward(g, index, ctx.dtype, add=g_skip)
 
 
 def max_pool2_supported(x: torch.Tensor) -> bool:
@@ -153,3 +191,12 @@ def max_pool2(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"max_pool2: unsupported input {tuple(x.shape)} {x.dtype} {x.device}: need a "
                          "5-D float tensor with even D, H, W on a Triton-usable device")
     return _MaxPoolFn.apply(x)
+
+
+def max_pool2_with_skip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_pool2(x), x as the skip connection reads it): the same values and gradient as the pool and
+    the input used apart, with the input's two gradients added inside the pool's backward."""
+    if not max_pool2_supported(x):
+        raise ValueError(f"max_pool2: unsupported input {tuple(x.shape)} {x.dtype} {x.device}: need a "
+                         "5-D float tensor with even D, H, W on a Triton-usable device")
+    return _MaxPoolSkipFn.apply(x)

@@ -74,6 +74,12 @@ class Down(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(self.pool(x))
 
+    def with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x as the skip connection reads it, the block's output): the same values and gradients as
+        (x, self(x)), with x's two gradients summed in the pool's backward (FastMaxPool2.forward_with_skip)."""
+        y, skip = self.pool.forward_with_skip(x)
+        return skip, self.conv(y)
+
 
 class Up(nn.Module):
     def __init__(self, in_channels: int, groups: int):

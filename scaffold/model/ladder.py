@@ -241,6 +241,12 @@ class FastMaxPool2(LadderSite, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(PoolCall(x), lambda: max_pool2(x))
 
+    def forward_with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool(x), x as the U-Net's skip connection reads it). The same values and gradients as
+        (self(x), x); on the Triton rung the input's two gradients are added in the pool's backward
+        pass instead of in an add over the full-size tensor of their own."""
+        return self._run(PoolCall(x, True), lambda: (max_pool2(x), x))
+
 
 # --- configuring a model, and its census ----------------------------------------------------------
 

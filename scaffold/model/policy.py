@@ -69,6 +69,7 @@ class ConcatCall(NamedTuple):
 
 class PoolCall(NamedTuple):
     x: torch.Tensor  # the 2×2×2 max pool (scaffold.model.pool.max_pool2)
+    skip: bool = False  # also return x as a skip connection reads it: (pool(x), x)
 
 
 class LossCall(NamedTuple):
@@ -229,7 +230,8 @@ def _register_triton_rungs() -> None:
         lambda c: kernel_module(cat).concat_channels(c.a, c.b, c.dtype))
     _REGISTRY["pool"][TRITON] = Rung(
         lambda c: _supported(pool, "max_pool2_supported", c.x),
-        lambda c: kernel_module(pool).max_pool2(c.x))
+        lambda c: (kernel_module(pool).max_pool2_with_skip(c.x) if c.skip
+                   else kernel_module(pool).max_pool2(c.x)))
     _REGISTRY["loss"][TRITON] = Rung(
         lambda c: _supported(loss, "seg_loss_supported", c.logits, c.labels, c.weight),
         lambda c: kernel_module(loss).seg_loss_terms(c.logits, c.labels, c.weight, c.eps))

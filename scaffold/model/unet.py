@@ -86,8 +86,11 @@ class UNet3d(nn.Module):
         skips = []
         x = self.inc(x)
         for down in self.downs:
-            skips.append(x)
-            x = down(x)
+            if shards is None:  # x's two gradients (skip and pool) summed in the pool's backward
+                skip, x = down.with_skip(x)
+            else:  # a sharded Down block moves its input first (scaffold.spatial): the skip keeps x
+                skip, x = x, down(x)
+            skips.append(skip)
         for up in self.ups:
             x = up(x, skips.pop())
         return self.outc(x)
