@@ -150,11 +150,13 @@ def test_the_skip_gradient_added_in_the_backward_gives_autograds_sum(dtype, layo
 def test_the_unet_with_the_fused_skip_gradient_gives_the_bits_of_the_plain_one(monkeypatch):
     """The U-Net reads its skips from the pool (Down.with_skip): its loss and every parameter's gradient
     are bitwise those of the model whose skips read x apart from the pool."""
+    from scaffold import determinism
     from scaffold.config import LadderConfig
     from scaffold.model.blocks import Down
     from scaffold.model.ladder import set_ladder
     from scaffold.model.unet import UNet3d
 
+    determinism.configure("default")  # on CUDA: deterministic cuDNN, no TF32, as a run has it
     torch.manual_seed(0)
     model = UNet3d(3, bottleneck=2, base_width=4, groups=2, n_classes=3).to_device(DEV)
     set_ladder(model, LadderConfig(pool="triton"))

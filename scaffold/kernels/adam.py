@@ -22,7 +22,10 @@ unmasked, so loads and stores are 16-byte vectors. The address table is rebuilt 
 changed (new gradients in eager steps, state loaded from a checkpoint); every table a CUDA graph
 captured stays alive with the optimizer. The order of every sum is fixed by the shapes alone: same
 inputs, same bits; a parameter's update does not depend on whether its gradient came bf16 or fp32
-(the same values), so the norm and the update are the same with and without working copies.
+(the same values), so the norm and the update are the same with and without working copies. For that
+the kernels compile without floating-point contraction (`enable_fp_fusion=False`): each branch (bf16 or
+fp32 gradient, whole or partial chunk) is its own code, and a multiply-add fused in one branch and not
+in another gave different bits on the H200; without contraction every branch rounds each operation.
 
 The update is torch's Adam (L2 weight decay added to the gradient, bias corrections from the step
 count), in fp32, with the learning rate and the step count read on the device (capturable): the same
@@ -350,12 +353,13 @@ class Adam(torch.optim.Adam):
             if clip:
                 partials = torch.empty(programs, dtype=torch.float32, device=params[0].device)
                 _sq_partials_kernel[(programs,)](g_tab, kind, chunk_t, chunk_s, numel, partials, BLOCK=BLOCK,
-                                                 num_warps=8)
+                                                 num_warps=8, enable_fp_fusion=False)
                 _clip_kernel[(1,)](partials, programs, norm, self.max_norm, BLOCK=1024, num_warps=4)
                 self.last_norm = norm[0]
             beta1, beta2 = group["betas"]
             wd = float(group["weight_decay"])
             _adam_kernel[(programs,)](*tabs, kind, chunk_t, chunk_s, numel, lr, steps[0], norm,
                                       float(beta1), float(beta2), float(group["eps"]), wd,
-                                      CLIP=clip, DECAY=wd != 0.0, BLOCK=BLOCK, num_warps=WARPS)
+                                      CLIP=clip, DECAY=wd != 0.0, BLOCK=BLOCK, num_warps=WARPS,
+                                      enable_fp_fusion=False)
         return loss
