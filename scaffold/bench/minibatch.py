@@ -7,7 +7,7 @@ side by side in one process:
             Triton or deterministic cuDNN as the measured routes say; GroupNorm, concat and the max
             pool on Triton)
   graphed   the default as the trainer runs it on one GPU: the whole step (forward, loss, backward,
-            clip, fused Adam) captured once as a CUDA graph and replayed (scaffold/step.py)
+            clip, Adam) captured once as a CUDA graph and replayed (scaffold/step.py)
   triton    the default with the convolutions forced onto the Triton rung (conv=triton,
             conv_transpose=triton), to weigh that rung inside the real step
   cudnn     the default with the convolutions forced onto vendor (cuDNN), the other sites as ladder

@@ -68,8 +68,9 @@ class Site:
         return not patterns or any(p in n for p in patterns for n in self.names)
 
 
-def _record(name: str, module, args: tuple, out: torch.Tensor) -> Site:
+def _record(name: str, module, args: tuple, out) -> Site:
     shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+    out = out[0] if isinstance(out, tuple) else out  # the pool with its skip: (pooled, input)
     site = Site((name,), module.op, shapes, tuple(out.shape))
     if module.op in ("conv", "conv_transpose"):
         return replace(site, weight=tuple(module.weight.shape), bias=module.bias is not None,

@@ -76,8 +76,8 @@ class Down(nn.Module):
 
     def with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x as the skip connection reads it, the block's output): the same values and gradients as
-        (x, self(x)), with x's two gradients summed in the pool's backward (FastMaxPool2.forward_with_skip)."""
-        y, skip = self.pool.forward_with_skip(x)
+        (x, self(x)), with x's two gradients summed in the pool's backward (FastMaxPool2, skip=True)."""
+        y, skip = self.pool(x, skip=True)
         return skip, self.conv(y)
 
 

@@ -93,7 +93,7 @@ _WARNED: set[tuple[str, str]] = set()  # (op, setting) pairs warned about; set_l
 def working_weights(site: nn.Module, x: torch.Tensor) -> tuple:
     """(weight, bias) a convolution site computes with: its working copies when it has them and
     autocast computes in their dtype, else its parameters."""
-    copies = site.working
+    copies = getattr(site, "working", None)
     if copies is not None:
         kind = x.device.type
         if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == copies[0].dtype:
@@ -238,14 +238,13 @@ class FastMaxPool2(LadderSite, nn.Module):
         super().__init__()
         self._init_site()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip: bool = False):
+        """pool(x); with `skip`, (pool(x), x as the U-Net's skip connection reads it): the same values
+        and gradients as (self(x), x), where on the Triton rung the input's two gradients are added in
+        the pool's backward pass instead of in an add over the full-size tensor of their own."""
+        if skip:
+            return self._run(PoolCall(x, True), lambda: (max_pool2(x), x))
         return self._run(PoolCall(x), lambda: max_pool2(x))
-
-    def forward_with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pool(x), x as the U-Net's skip connection reads it). The same values and gradients as
-        (self(x), x); on the Triton rung the input's two gradients are added in the pool's backward
-        pass instead of in an add over the full-size tensor of their own."""
-        return self._run(PoolCall(x, True), lambda: (max_pool2(x), x))
 
 
 # --- configuring a model, and its census ----------------------------------------------------------

@@ -479,7 +479,8 @@ class Estimate:
     params: int  # fp32 parameters
     grads: int  # their fp32 gradients
     adam: int  # Adam's two fp32 moments
-    optimizer_temp: int  # Adam's temporaries during its step (torch's foreach Adam: one moment's size)
+    optimizer_temp: int  # Adam's temporaries during its step (torch's foreach Adam: one moment's size;
+    # ours with working copies: none)
     walk: Walk
     buckets: int = 0  # DDP's gradient buckets
     evaluate: bool = True  # the run evaluates (a forward without autograd) between epochs
