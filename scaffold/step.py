@@ -14,9 +14,10 @@ rule of the graph lives here:
   (scaffold.kernels.adam: the clip's norm and the update in three launches over all parameters, and the
   convolutions' bf16 working copies written with the update; torch's fused, capturable Adam where
   Triton is missing), its step count and learning rate on the device: the scheduler writes the new rate
-  into that tensor in place between epochs, and the graph reads it there. Its state must exist before the capture (a lazy initialization captured in the graph
-  would zero it on every replay), so the warm-up passes run whole steps and the parameters and state are
-  restored afterwards, bit for bit.
+  into that tensor in place between epochs, and the graph reads it there. Its state must exist before
+  the capture (a lazy initialization captured in the graph would zero it on every replay), so the
+  warm-up passes run whole steps and the parameters, state and working copies are restored afterwards,
+  bit for bit.
 - Same bits as eager: a replay runs the same kernels with the same arguments in the same order.
 - The gradients are set to None before the capture, so the captured backward allocates them from the
   graph's pool and each replay writes them afresh: nothing accumulates, and the optimizer must not set
