@@ -84,3 +84,35 @@ def test_outside_autocast_the_parameters_are_used():
     x = torch.rand(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(3)).to(DEV)
     with torch.no_grad():
         assert torch.equal(model(x), twin(x))
+
+
+def _weight_casts(step, masks) -> int:
+    """How many dtype casts of a conv weight or its gradient one forward + backward runs (counted at
+    the dispatcher: `aten._to_copy` on a tensor shaped like a conv weight)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = {tuple(m.weight.shape) for m in step.net.modules()
+              if isinstance(m, (FastConv3d, FastConvTranspose3d))}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step.forward_backward(masks)
+    return Count.n
+
+
+def test_with_working_copies_no_weight_is_cast_in_the_step():
+    """The point of the copies: without them autocast casts every conv weight to bf16 in the forward
+    and each bf16 weight gradient back to fp32 in the backward; with them neither cast runs."""
+    masks = _masks()[0]
+    plain, _ = _step(_model(), working=False)
+    working, _ = _step(_model(), working=True)
+    n_sites = sum(isinstance(m, (FastConv3d, FastConvTranspose3d)) for m in plain.net.modules())
+    assert _weight_casts(plain, masks) >= 2 * n_sites  # the control: one cast each way per site
+    assert _weight_casts(working, masks) == 0
