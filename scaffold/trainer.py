@@ -232,7 +232,7 @@ class Trainer:
         # activations: under recompute the casts' copies are not kept through the forward, so working
         # copies, which always are, would raise the step's peak (by 2 bytes a parameter, 2.7 GiB at
         # scale 9) where memory is what limits the run.
-        self.working = ddp_model is None and self.shards == 1 and getattr(model, "recompute", "off") == "off"
+        self.working = ddp_model is None and self.shards is None and getattr(model, "recompute", "off") == "off"
         self.optimizer = make_optimizer(model, cfg, working=self.working)
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
             self.optimizer, T_0=cfg.optim.t0, T_mult=cfg.optim.t_mult, eta_min=cfg.optim.eta_min)

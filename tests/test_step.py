@@ -97,3 +97,22 @@ def test_the_clip_folded_into_fused_adam_is_the_clip():
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert not torch.equal(results[0][0], torch.full_like(results[0][0], 0.5))  # they moved
+
+
+def test_working_copies_are_asked_for_one_process_without_recompute(tmp_path):
+    """The trainer asks for bf16 working copies (scaffold.kernels.adam, on CUDA with bf16 autocast) when
+    the step calls the model itself and keeps its activations; not under recompute, where the copies
+    would raise the step's peak (the memory model says the same)."""
+    from scaffold.model import UNet3d
+    from scaffold.model.memory import shape_from_config
+
+    trainer = _trainer(tmp_path)
+    assert trainer.working is True
+    cfg = tiny_cfg(tmp_path, "model.recompute=blocks")
+    model = UNet3d.from_config(cfg, 3)
+    assert model.recompute == "blocks"
+    vol = trainer.vol
+    again = Trainer(cfg, model, SegmentationLoss([1.0, 2.0, 2.0]), vol, torch.device("cpu"), tmp_path)
+    assert again.working is False
+    assert shape_from_config(cfg, "cuda", "blocks").working is False
+    assert shape_from_config(tiny_cfg(tmp_path), "cuda", "off").working is True

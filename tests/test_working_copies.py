@@ -116,3 +116,39 @@ def test_with_working_copies_no_weight_is_cast_in_the_step():
     n_sites = sum(isinstance(m, (FastConv3d, FastConvTranspose3d)) for m in plain.net.modules())
     assert _weight_casts(plain, masks) >= 2 * n_sites  # the control: one cast each way per site
     assert _weight_casts(working, masks) == 0
+
+
+def test_a_run_with_working_copies_resumed_gives_the_bits_of_a_run_without_them(tmp_path, monkeypatch):
+    """The trainer's whole path with working copies (warm-up on a copy of the model, steps, evaluation,
+    a checkpoint, a resume that loads it): the CSV and the parameters of the run without copies, bit for
+    bit. On the CPU (bf16 autocast, our Adam interpreted); CUDA runs it through its `gpu` tests."""
+    if DEV != "cpu":
+        pytest.skip("the CPU form of this test; on CUDA the trainer builds our Adam itself")
+    from helpers import params, same_params, stable_rows, tiny_cfg
+    from scaffold import trainer as trainer_module
+    from scaffold import worker
+
+    asked = []
+
+    def ours(copies: bool):
+        def make(model, cfg, working=False):
+            asked.append(working)
+            c = attach_working_copies(model) if (copies and working) else None
+            return A.Adam(list(model.parameters()), lr=torch.tensor(float(cfg.lr)),
+                          weight_decay=cfg.optim.weight_decay, working=c)
+        return make
+
+    small = ["precision=bf16", "optim.t0=1", "warmup_steps=1", "data.n_instances=4"]
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(trainer_module, "make_optimizer", ours(copies=False))
+    worker.run(tiny_cfg(cache, *small, "epochs=2"), tmp_path / "plain")
+    monkeypatch.setattr(trainer_module, "make_optimizer", ours(copies=True))
+    part = tmp_path / "part"
+    worker.run(tiny_cfg(cache, *small, "epochs=1"), part)
+    cfg = tiny_cfg(cache, *small, "epochs=2")
+    cfg.resume = str(part)
+    worker.run(cfg, part, resume=True)
+    assert asked and all(asked)  # the trainer asked for copies for the model and the warm-up's copy
+    rows = stable_rows(tmp_path / "plain" / "train_stats.csv")
+    assert len(rows) == 2 and rows == stable_rows(part / "train_stats.csv")
+    assert same_params(params(tmp_path / "plain"), params(part))
