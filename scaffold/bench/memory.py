@@ -23,7 +23,7 @@ def predicted(variant: str, scale: int, width: int, device: str) -> float:
     graph = variant.split("+")[0] == "graphed"
     cuda = device == "cuda"
     shape = StepShape(scale, base_width=width, amp=cuda, device=device, fused=cuda, recompute=mode,
-                      graph=graph, data_bytes=4 * 8**scale, working=cuda and mode == "off")
+                      graph=graph, data_bytes=4 * 8**scale, ask_copies=cuda)
     return estimate(shape, evaluate=False).max_allocated / GiB
 
 

@@ -169,8 +169,6 @@ class _MaxPoolSkipFn(torch.autograd.Function):
         (index,) = ctx.saved_tensors
         if g is None:  # only the skip's gradient (None too when neither output was used)
             return g_skip
-        if g_skip is not None and g_skip.dtype != ctx.dtype:
-            g_skip = g_skip.to(ctx.dtype)
         return pool_backward(g, index, ctx.dtype, add=g_skip)
 
 
@@ -181,22 +179,24 @@ def max_pool2_supported(x: torch.Tensor) -> bool:
             and all(s % 2 == 0 for s in x.shape[2:]))
 
 
+def _require_supported(x: torch.Tensor) -> None:
+    if not max_pool2_supported(x):
+        raise ValueError(f"max_pool2: unsupported input {tuple(x.shape)} {x.dtype} {x.device}: need a "
+                         "5-D float tensor with even D, H, W on a Triton-usable device")
+
+
 def max_pool2(x: torch.Tensor) -> torch.Tensor:
     """F.max_pool3d(x, 2) with a deterministic backward, on Triton: bitwise the vendor formulation's
     result and gradient (first maximal element per window, NaN propagating). The vendor formulation
     gathers the windows through a permuted view (a copy), reduces it, converts the index, and in the
     backward builds a one-hot, selects and permutes back: several passes more over the full-size
     tensors."""
-    if not max_pool2_supported(x):
-        raise ValueError(f"max_pool2: unsupported input {tuple(x.shape)} {x.dtype} {x.device}: need a "
-                         "5-D float tensor with even D, H, W on a Triton-usable device")
+    _require_supported(x)
     return _MaxPoolFn.apply(x)
 
 
 def max_pool2_with_skip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(max_pool2(x), x as the skip connection reads it): the same values and gradient as the pool and
     the input used apart, with the input's two gradients added inside the pool's backward."""
-    if not max_pool2_supported(x):
-        raise ValueError(f"max_pool2: unsupported input {tuple(x.shape)} {x.dtype} {x.device}: need a "
-                         "5-D float tensor with even D, H, W on a Triton-usable device")
+    _require_supported(x)
     return _MaxPoolSkipFn.apply(x)

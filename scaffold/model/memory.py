@@ -69,11 +69,17 @@ class StepShape:
     graph: bool = False  # the step captured as a CUDA graph
     data_bytes: int = 0  # masks kept on the device beside the step (the trainer keeps the dataset)
     data_parallel: bool = False  # under DDP, whose gradient buckets hold a second copy of the gradients
-    working: bool = False  # bf16 working copies of the conv weights (scaffold.kernels.adam): kept
-    # between steps instead of cast in each step, and the weight gradients stay bf16
+    ask_copies: bool = False  # one CUDA process, whose trainer asks for bf16 working copies of the
+    # conv weights (scaffold.kernels.adam); whether the step runs on them: `working`
     depth_shards: int = 1  # D split over this many devices (scaffold.spatial): each holds all the
     # parameters, a D-slab of every volume and of each split level's activations (a level is split
     # while its edge has at least one plane per shard; deeper levels run whole on every shard)
+
+    @property
+    def working(self) -> bool:
+        """Whether the step runs on working copies, as scaffold.trainer.Trainer decides them: asked for,
+        bf16 autocast, no recompute, volumes not split."""
+        return self.ask_copies and self.amp and self.recompute == "off" and self.depth_shards == 1
 
     @property
     def levels(self) -> int:
@@ -152,7 +158,8 @@ class _Builder:
     def __init__(self, s: StepShape):
         self.s, self.ops = s, []
         self.a = 2 if s.amp else 4  # bytes per activation element
-        self.g = 2 if s.amp and s.working else 4  # bytes per element of a conv weight's gradient
+        self.g = 2 if s.working else 4  # bytes per element of a conv weight's gradient
+        self.cast = s.amp and not s.working  # each weight cast in the step (and its gradient back)
         self.segment: Optional[int] = None
         self.n_segments = 0
 
@@ -169,8 +176,7 @@ class _Builder:
         """A conv: under autocast its input (when not yet bf16) and weight are cast to bf16, and the
         backward keeps both; the weight's bf16 gradient is cast to the fp32 parameter's."""
         numel = taps * cin * cout
-        cast = self.s.amp and not self.s.working  # the weight cast in the step (and its gradient back)
-        wcopy = [_T(2 * numel, grad=False)] if cast else []  # its gradient is `grad_temp`
+        wcopy = [_T(2 * numel, grad=False)] if self.cast else []  # its gradient is `grad_temp`
         halo = taps == 27 and self.s.split(level)  # scaffold.spatial.HaloConv3d: D + 2 planes, then cut
         if halo:
             per_voxel = x.nbytes // self.s.voxels(level)
@@ -191,7 +197,7 @@ class _Builder:
         for w in wcopy:
             self.op([], [w])
         self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=self.g * (numel + (cout if bias else 0)),
-                grad_temp=2 * numel if cast else 0)
+                grad_temp=2 * numel if self.cast else 0)
         if halo:  # the slab's planes of the output, copied out
             slab = self.act(cout, level)
             self.op([y], [slab])
@@ -200,15 +206,14 @@ class _Builder:
 
     def conv_transpose(self, x: _T, cin: int, cout: int, level: int) -> _T:
         numel = 8 * cin * cout
-        cast = self.s.amp and not self.s.working
-        wcopy = [_T(2 * numel, grad=False)] if cast else []
+        wcopy = [_T(2 * numel, grad=False)] if self.cast else []
         cut = self.s.split(level) and not self.s.split(level + 1)  # whole below: made whole, then cut
         moved = self.s.split(level + 1) and self.s.grid(level + 1) != self.s.grid(level)
         y = self.act(cout, level, whole=cut)
         for w in wcopy:
             self.op([], [w])
         self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=self.g * (numel + cout),
-                grad_temp=2 * numel if cast else 0)
+                grad_temp=2 * numel if self.cast else 0)
         if cut or moved:  # cut to this level's block, or moved to its split (scaffold.spatial.redistribute)
             block = self.act(cout, level)
             self.op([y], [block])
@@ -547,7 +552,7 @@ def estimate(s: StepShape, evaluate: bool = True, warmup: bool = False) -> Estim
     # Ours with working copies (scaffold.kernels.adam) updates in place: no temporary; the copies are
     # 2 bytes a parameter, and so are the gradients (the GroupNorms' few are fp32: counted as bf16).
     temp = 4 * p if s.device == "cuda" else 4 * _largest_param(s)
-    working = 2 * p if s.amp and s.working else 0
+    working = 2 * p if s.working else 0
     if working:
         temp = 0
     return Estimate(s, 4 * p, 2 * p if working else 4 * p, 8 * p, temp, walk(s),
@@ -597,8 +602,7 @@ def shape_from_config(cfg: Any, device: str, recompute: str = "off", n_classes: 
     return StepShape(cfg.scale, m.bottleneck, m.base_width, m.groups, 3,
                      n_classes if n_classes is not None else cfg.data.n_categories + 1, cfg.batch_size,
                      amp, device, fused, recompute, graph, data_bytes, world > 1,
-                     # working copies: as scaffold.trainer.Trainer decides them
-                     device == "cuda" and amp and world == 1 and shards == 1 and recompute == "off", shards)
+                     device == "cuda" and world == 1, shards)
 
 
 @dataclass(frozen=True)
@@ -687,7 +691,7 @@ def plan_recompute(cfg: Any, device: Any, n_classes: Optional[int] = None,
     warmup = cfg.warmup_steps > 0 if warmup is None else warmup
     off = estimate(shape_from_config(cfg, device.type, "off", n_classes, data_bytes, memory.total),
                    evaluate, warmup)
-    blocks = estimate(replace(off.shape, recompute="blocks", working=False), evaluate, warmup)
+    blocks = estimate(replace(off.shape, recompute="blocks"), evaluate, warmup)
     eager = None
     if blocks.shape.graph and getattr(cfg, "cuda_graph", "") == "auto":
         eager = estimate(replace(blocks.shape, graph=False), evaluate, warmup)
@@ -720,8 +724,8 @@ def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 12
     needs = {}
     n = 2
     while n <= min(most, 2**s.scale):
-        # sharded: no CUDA graph and no working copies (as shape_from_config has it)
-        needs[n] = estimate(replace(s, depth_shards=n, graph=False, working=False), warmup=warmup).need
+        # sharded: no CUDA graph (as shape_from_config has it)
+        needs[n] = estimate(replace(s, depth_shards=n, graph=False), warmup=warmup).need
         if needs[n] <= capacity:
             return n
         n *= 2
