@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from .groupnorm import MAX_CHANNELS
 from .lib.device import triton_usable
 from .lib.indexing import cdiv, next_pow2
-from .lib.layout import empty_channels_last, flat_nsc
+from .lib.layout import empty_channels_last, flat_nsc, in_room, nsc_strides, room_base
 from .lib.rounding import cast_rne
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -72,6 +72,15 @@ def _split_kernel(g_ptr, ga_ptr, gb_ptr, rows, S, CA, CB, g_sn, g_ss, g_sc, a_sn
                BLOCK_CB)
 
 
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, rows, S, C, c_dst0, s_sn, s_ss, s_sc, d_sn, d_ss, d_sc,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Channels [0, C) of src into channels [c_dst0, c_dst0 + C) of dst: one part of a concat or of
+    its gradient (the other part is already where it belongs; see concat_into_room)."""
+    n, s, rmask = _program_rows(rows, S, BLOCK_R)
+    _copy_part(src_ptr, dst_ptr, n, s, rmask, C, c_dst0, s_sn, s_ss, s_sc, d_sn, d_ss, d_sc, BLOCK_C)
+
+
 def _geometry(N: int, S: int, ca: int, cb: int):
     block_ca = next_pow2(ca)
     block_cb = next_pow2(cb)
@@ -110,6 +119,51 @@ def split_backward(g: torch.Tensor, ca: int, a_dtype: torch.dtype, b_dtype: torc
     _split_kernel[grid](g, ga, gb, N * S, S, ca, cb, *sg, *flat_nsc(ga)[1], *flat_nsc(gb)[1], **meta,
                         num_warps=4)
     return ga, gb
+
+
+def copy_channels(src: torch.Tensor, dst: torch.Tensor, c_dst0: int) -> None:
+    """dst[:, c_dst0:c_dst0 + C] = src (C = src's channels), cast to dst's dtype; any layouts whose D,
+    H, W collapse."""
+    N, C = src.shape[:2]
+    S = src[0, 0].numel()
+    src, ss = flat_nsc(src)
+    sd = nsc_strides(dst)
+    grid, meta = _geometry(N, S, C, C)
+    _copy_kernel[grid](src, dst, N * S, S, C, c_dst0, *ss, *sd, BLOCK_R=meta["BLOCK_R"],
+                       BLOCK_C=meta["BLOCK_CA"], num_warps=4)
+
+
+# --- the concat into the room its first part left ---------------------------------------------------
+#
+# The U-Net's skip is written by a GroupNorm that left room for the decoder's half (group_norm(...,
+# room=Cb)): the skip is the first Ca channels of a channels-last tensor of Ca + Cb channels. The concat
+# then writes only the second part into that room (nothing at all when the transposed conv that makes it
+# wrote it there already: blocks.Up) and returns the whole buffer, and its backward passes
+# the first part's gradient on as a view of the incoming gradient (the pool's backward reads it in place)
+# and copies only the second part out: half the bytes of concat + split each way, the same values.
+
+class _ConcatRoomFn(torch.autograd.Function):
+    """cat([a, b], dim=1) where a is the first channels of `room_base(a)`: b is written into the room
+    and the buffer returned (an alias of it: no copy of a)."""
+
+    @staticmethod
+    def forward(ctx, a, b, dtype):
+        base = room_base(a, b.shape[1], dtype)
+        if not in_room(b, base, a.shape[1]):  # else the transposed conv wrote it there (blocks.Up)
+            copy_channels(b, base, a.shape[1])
+        ctx.ca = a.shape[1]
+        ctx.b_dtype = b.dtype
+        # Not a view of a (autograd would route the whole gradient through a): the buffer as a tensor
+        # of its own. The write above went through a kernel, so no saved tensor's version moved.
+        return base.detach()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        ca = ctx.ca
+        gb = empty_channels_last((g.shape[0], g.shape[1] - ca) + tuple(g.shape[2:]), ctx.b_dtype, g.device)
+        copy_channels(g[:, ca:], gb, 0)
+        return g[:, :ca], gb, None
 
 
 @torch.library.custom_op("scaffold::concat_channels", mutates_args=())
@@ -174,9 +228,13 @@ def concat_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
             and max(a.shape[1], b.shape[1]) <= MAX_CHANNELS)
 
 
-def concat_channels(a: torch.Tensor, b: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def concat_channels(a: torch.Tensor, b: torch.Tensor, dtype: Optional[torch.dtype] = None,
+                    into_room: bool = False) -> torch.Tensor:
     """cat([a, b], dim=1) as a channels-last tensor in `dtype` (default: torch.cat's promoted dtype);
-    autograd-aware, each gradient part returned in its input's dtype."""
+    autograd-aware, each gradient part returned in its input's dtype. With `into_room`, when `a` is the
+    first channels of a buffer with room for b (room_base: a GroupNorm with `room` made it), b is
+    written into that room and the buffer returned: the same values, half the copying. The caller
+    says so: the room is memory that only the producer of `a` and this concat may touch."""
     if not concat_supported(a, b):
         raise ValueError(f"concat_channels: unsupported inputs a {tuple(a.shape)} {a.dtype} {a.device}, "
                          f"b {tuple(b.shape)} {b.dtype} {b.device}: need 5-D tensors on one Triton-usable "
@@ -186,4 +244,6 @@ def concat_channels(a: torch.Tensor, b: torch.Tensor, dtype: Optional[torch.dtyp
         raise ValueError(f"concat_channels: dtype={dtype} must be one of {_DTYPES}")
     if torch.compiler.is_compiling():  # the registered op, which torch.compile traces through
         return concat_op(a, b, dtype)
+    if into_room and room_base(a, b.shape[1], dtype) is not None:
+        return _ConcatRoomFn.apply(a, b, dtype)
     return _ConcatFn.apply(a, b, dtype)

@@ -512,15 +512,21 @@ class _GroupNormFn(torch.autograd.Function):
     `group_norm` takes this path unless torch.compile is tracing. Same launchers, same bits."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, num_groups, eps, relu, out_dtype):
-        y, mean, rstd = forward(x, num_groups, weight, bias, eps, relu, out_dtype)
+    def forward(ctx, x, weight, bias, num_groups, eps, relu, out_dtype, room=0):
+        out = None
+        if room:  # y is the first C channels of a channels-last buffer with `room` channels after them
+            N, C = x.shape[:2]
+            buf = torch.empty((N, C + room) + tuple(x.shape[2:]), dtype=out_dtype, device=x.device,
+                              memory_format=torch.channels_last_3d)
+            out = buf[:, :C]
+        y, mean, rstd = forward(x, num_groups, weight, bias, eps, relu, out_dtype, out=out)
         _setup_context(ctx, (x, weight, bias, num_groups, eps, relu, out_dtype), (y, mean, rstd))
         return y, mean, rstd
 
     @staticmethod
     @once_differentiable  # first-order, as the registered op: a second derivative raises
     def backward(ctx, dy, _dmean, _drstd):
-        return _grads(ctx, dy, backward)
+        return _grads(ctx, dy, backward) + (None,)
 
 
 # --- public entry points --------------------------------------------------------------------------
@@ -555,15 +561,18 @@ def _check(x, num_groups, weight, bias) -> None:
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
                bias: Optional[torch.Tensor], eps: float, relu: bool, *,
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None, room: int = 0) -> torch.Tensor:
     """F.group_norm(x, num_groups, weight, bias, eps), then F.relu when `relu`; autograd-aware.
 
     Returns the dtype F.group_norm would (fp32 under CUDA autocast) unless `out_dtype` is given: when
     the consumer is a bf16 convolution, writing bf16 here gives it the very bits its own cast would,
-    with half the bytes written here and read by the backward."""
+    with half the bytes written here and read by the backward. With `room` > 0 the output is the first
+    C channels of a channels-last buffer of C + room channels (its `_base`), so that a later concat can
+    write its other part next to it instead of copying this one (scaffold.kernels.concat, into_room):
+    the same values. Not under torch.compile, which traces the registered op without room."""
     _check(x, num_groups, weight, bias)
     dtype = output_dtype(x) if out_dtype is None else out_dtype
     args = (x, weight, bias, num_groups, float(eps), bool(relu), dtype)
     if torch.compiler.is_compiling():  # the registered op, which torch.compile traces through
         return torch.ops.scaffold.group_norm_fwd(*args)[0]
-    return _GroupNormFn.apply(*args)[0]
+    return _GroupNormFn.apply(*args, int(room))[0]

@@ -51,15 +51,19 @@ class DoubleConv(nn.Module):
     def _first(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm1(self.conv1(x))
 
-    def _second(self, h: torch.Tensor) -> torch.Tensor:
-        return self.norm2(self.conv2(h))
+    def _second(self, h: torch.Tensor, room: int = 0) -> torch.Tensor:
+        h = self.conv2(h)
+        # (only a FastGroupNorm takes `room`: scaffold.spatial swaps in norms that do not)
+        return self.norm2(h, room=room) if room else self.norm2(h)
 
-    def _both(self, x: torch.Tensor) -> torch.Tensor:
-        return self._second(self._first(x))
+    def _both(self, x: torch.Tensor, room: int = 0) -> torch.Tensor:
+        return self._second(self._first(x), room)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, room: int = 0) -> torch.Tensor:
+        """`room`: channels of room the output leaves after it for the concat that reads it as a skip
+        (FastGroupNorm); kept blocks only."""
         if self.recompute == KEEP or not torch.is_grad_enabled():  # evaluation saves nothing anyway
-            return self._both(x)
+            return self._both(x, room)
         if self.recompute == BLOCK:
             return recomputed(self._both, x)
         return recomputed(self._second, recomputed(self._first, x))
@@ -74,11 +78,12 @@ class Down(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(self.pool(x))
 
-    def with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def with_skip(self, x: torch.Tensor, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(x as the skip connection reads it, the block's output): the same values and gradients as
-        (x, self(x)), with x's two gradients summed in the pool's backward (FastMaxPool2, skip=True)."""
+        (x, self(x)), with x's two gradients summed in the pool's backward (FastMaxPool2, skip=True).
+        `room`: as DoubleConv's, for the output."""
         y, skip = self.pool(x, skip=True)
-        return skip, self.conv(y)
+        return skip, self.conv(y, room)
 
 
 class Up(nn.Module):
@@ -92,10 +97,25 @@ class Up(nn.Module):
         # instead of the concat, which is as large as both.
         self.recompute = False
 
-    def _level(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-        return self.conv(self.concat(skip, self.up(x)))
+    def _level(self, x: torch.Tensor, skip: torch.Tensor, into_room: bool = False) -> torch.Tensor:
+        # With the skip made with room for the upsampled half, the transposed conv may write into it
+        # (a Triton forward does), and the concat then copies nothing.
+        if not into_room:
+            return self.conv(self.concat(skip, self.up(x)))
+        return self.conv(self.concat(skip, self.up(x, out=self._room(x, skip)), into_room=True))
 
-    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    def _room(self, x: torch.Tensor, skip: torch.Tensor):
+        """The room after the skip's channels, when it has exactly the transposed conv's output: its
+        channels, its dtype (the autocast dtype, else x's), and the skip's voxels."""
+        from scaffold.kernels.lib.layout import room_base  # torch only: no Triton needed
+
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        base = room_base(skip, self.up.out_channels, dtype)
+        return None if base is None else base[:, skip.shape[1]:]
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor, into_room: bool = False) -> torch.Tensor:
+        """`into_room`: the skip was made with room for this level's upsampled half (FastConcat)."""
         if self.recompute and torch.is_grad_enabled():
             return recomputed(self._level, x, skip)
-        return self._level(x, skip)
+        return self._level(x, skip, into_room)

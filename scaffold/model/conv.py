@@ -26,10 +26,11 @@ class _ConvFn(torch.autograd.Function):
     """conv3d (transposed=False) or conv_transpose3d with kernel = stride (transposed=True)."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, stride, padding, dilation, transposed, route):
+    def forward(ctx, x, w, bias, stride, padding, dilation, transposed, route, out=None):
         w = K.channels_last_weight(w)
-        if transposed:
-            y = K.conv_transpose3d_forward(x, w, bias) if route[0] else F.conv_transpose3d(x, w, bias, stride)
+        if transposed:  # a Triton forward writes into `out` when given (any strides); ATen ignores it
+            y = (K.conv_transpose3d_forward(x, w, bias, out=out) if route[0]
+                 else F.conv_transpose3d(x, w, bias, stride))
         elif route[0]:
             y = K.conv3d_forward(x, w, bias, stride, padding, dilation)
         else:
@@ -61,18 +62,18 @@ class _ConvFn(torch.autograd.Function):
                   else K.conv3d_backward_weight(dy, x, w.shape, w.dtype, *g))
         if need_db and route[2]:
             db = K.bias_grad(dy, ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
-def _apply(x, weight, bias, stride, padding, dilation, transposed, route) -> torch.Tensor:
+def _apply(x, weight, bias, stride, padding, dilation, transposed, route, out=None) -> torch.Tensor:
     kind = x.device.type
     args = (tuple(stride), tuple(padding), tuple(dilation), transposed, tuple(route))
     if not torch.is_autocast_enabled(kind):
-        return _ConvFn.apply(x, weight, bias, *args)
+        return _ConvFn.apply(x, weight, bias, *args, out)
     dt = torch.get_autocast_dtype(kind)  # cast as autocast casts F.conv3d's inputs
     cast = (lambda t: t if t is None or not t.is_floating_point() else t.to(dt))
     with torch.autocast(kind, enabled=False):
-        return _ConvFn.apply(cast(x), cast(weight), cast(bias), *args)
+        return _ConvFn.apply(cast(x), cast(weight), cast(bias), *args, out)
 
 
 def conv3d(x, weight, bias, stride, padding, dilation, route=ALL_TRITON) -> torch.Tensor:
@@ -81,9 +82,11 @@ def conv3d(x, weight, bias, stride, padding, dilation, route=ALL_TRITON) -> torc
     return _apply(x, weight, bias, stride, padding, dilation, False, route)
 
 
-def conv_transpose3d(x, weight, bias, stride, route=ALL_TRITON) -> torch.Tensor:
-    """F.conv_transpose3d(x, weight, bias, stride) for kernel == stride, padding 0, output_padding 0."""
+def conv_transpose3d(x, weight, bias, stride, route=ALL_TRITON, out=None) -> torch.Tensor:
+    """F.conv_transpose3d(x, weight, bias, stride) for kernel == stride, padding 0, output_padding 0.
+    `out`: where a Triton forward writes the output (then returned as a view of it); a forward on ATen
+    returns a tensor of its own. Its dtype must be the one the op returns (the caller checks)."""
     if tuple(weight.shape[2:]) != tuple(stride):
         raise ValueError(f"conv_transpose3d: kernel {tuple(weight.shape[2:])} must equal stride "
                          f"{tuple(stride)}")
-    return _apply(x, weight, bias, stride, _NO_PAD, _NO_DIL, True, route)
+    return _apply(x, weight, bias, stride, _NO_PAD, _NO_DIL, True, route, out)

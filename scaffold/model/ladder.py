@@ -165,12 +165,15 @@ class FastConvTranspose3d(LadderSite, nn.ConvTranspose3d):
         self._init_site()
         self.working: Optional[tuple] = None  # (weight, bias) working copies: attach_working_copies
 
-    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`out`: where a Triton forward may write the output (the room a skip left for it, see
+        blocks.Up); a hint: the result is what counts, and vendor returns a tensor of its own."""
         output_padding = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size,
                                               3, self.dilation)
         weight, bias = working_weights(self, x)
         call = ConvTransposeCall(x, weight, bias, self.stride, self.padding, tuple(output_padding),
-                                 self.groups, self.dilation)
+                                 self.groups, self.dilation, out)
         return self._run(call, lambda: F.conv_transpose3d(
             x, weight, bias, self.stride, self.padding, output_padding, self.groups, self.dilation))
 
@@ -200,12 +203,16 @@ class FastGroupNorm(LadderSite, nn.GroupNorm):
         y = F.relu(y, inplace=True) if self.relu else y
         return y if out_dtype is None else y.to(out_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, room: int = 0) -> torch.Tensor:
+        """With `room` > 0 a rung may leave that many channels of room after the output for the
+        concat that reads it next (FastConcat, into_room); the same values either way (vendor leaves
+        none)."""
         kind = x.device.type
         out_dtype = None
         if self.autocast_output and torch.is_autocast_enabled(kind):
             out_dtype = torch.get_autocast_dtype(kind)
-        call = GroupNormCall(x, self.num_groups, self.weight, self.bias, self.eps, self.relu, out_dtype)
+        call = GroupNormCall(x, self.num_groups, self.weight, self.bias, self.eps, self.relu, out_dtype,
+                             room)
         return self._run(call, lambda: self._vendor(x, out_dtype))
 
     def extra_repr(self) -> str:
@@ -221,10 +228,12 @@ class FastConcat(LadderSite, nn.Module):
         super().__init__()
         self._init_site()
 
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(self, a: torch.Tensor, b: torch.Tensor, into_room: bool = False) -> torch.Tensor:
+        """With `into_room` (the caller asked a's GroupNorm for room after it, and nothing else uses
+        that memory) the Triton rung writes b into the room when a has it, instead of copying both."""
         kind = a.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-        return self._run(ConcatCall(a, b, dtype), lambda: torch.cat([a, b], dim=1))
+        return self._run(ConcatCall(a, b, dtype, into_room), lambda: torch.cat([a, b], dim=1))
 
 
 class FastMaxPool2(LadderSite, nn.Module):

@@ -82,6 +82,12 @@ class StepShape:
         return self.ask_copies and self.amp and self.recompute == "off" and self.depth_shards == 1
 
     @property
+    def rooms(self) -> bool:
+        """Whether each skip is written with room for its concat's other half (UNet3d._skip_rooms): our
+        rungs, no recompute, volumes not split."""
+        return self.fused and self.recompute == "off" and self.depth_shards == 1
+
+    @property
     def levels(self) -> int:
         return self.scale - self.bottleneck
 
@@ -220,13 +226,14 @@ class _Builder:
             y = block
         return y
 
-    def norm(self, x: _T, channels: int, level: int) -> _T:
+    def norm(self, x: _T, channels: int, level: int, room: int = 0) -> _T:
         """GroupNorm + ReLU. Ours keeps its input and recomputes the ReLU from it. torch's keeps the
         normalized output too (for the ReLU's backward); on CUDA autocast runs it in fp32, so both kept
-        tensors are fp32 copies and a bf16 copy of the output goes on."""
+        tensors are fp32 copies and a bf16 copy of the output goes on. With `room` (ours, a skip) the
+        output is a buffer with that many more channels, which the skip's concat fills and returns."""
         s = self.s
         stats = _T(2 * 4 * s.batch * s.groups, grad=False)  # mean and rstd per (sample, group)
-        y = self.act(channels, level)
+        y = self.act(channels + room, level)
         if s.split(level):  # scaffold.spatial's slab GroupNorm: keeps its input and the statistics;
             # works in fp32 (the input's fp32 view or copy, the deviations, the output before its cast)
             work = 4 * channels * s.voxels(level) * (2 if self.a == 4 else 3)
@@ -261,6 +268,12 @@ class _Builder:
         return y
 
     def concat(self, skip: _T, up: _T, channels: int, level: int) -> _T:
+        """cat([skip, up]); into the skip's room where it has one (StepShape.rooms): then the skip's
+        buffer is the result, and the transposed conv's output (which a Triton forward writes into the
+        room directly; counted as its own tensor here, as on a vendor forward) lives until the concat."""
+        if self.s.rooms:
+            self.op([skip, up], [])
+            return skip
         y = self.act(channels, level)
         self.op([skip, up], [y])
         return y
@@ -274,15 +287,15 @@ class _Builder:
         self.segment = None
 
     def double_conv(self, x: _T, cin: int, cout: int, level: int, mode: str = "",
-                    cast_input: bool = False) -> _T:
+                    cast_input: bool = False, room: int = 0) -> _T:
         """mode as DoubleConv.recompute: "" keeps, "block" recomputes both convs as one segment,
-        "convs" each conv + norm as its own."""
+        "convs" each conv + norm as its own. `room`: as DoubleConv's, for the output."""
         self.begin(mode != "")
         h = self.norm(self.conv(x, cin, cout, level, cast_input=cast_input), cout, level)
         if mode == "convs":
             self.end()
             self.begin(True)
-        y = self.norm(self.conv(h, cout, cout, level), cout, level)
+        y = self.norm(self.conv(h, cout, cout, level), cout, level, room)
         if mode != "":
             self.end()
         return y
@@ -319,11 +332,15 @@ def _step_ops(s: StepShape) -> tuple[list[_Op], set, _T, _T]:
     x = b.act(s.in_channels, 0, 4, grad=False)  # palette[mask], fp32, gathered through an int32 index
     b.op([], [labels])
     b.op([labels], [x], work=4 * s.voxels(0))
-    h = b.double_conv(x, s.in_channels, widths[0], 0, block, cast_input=s.amp)
+    def room(level: int) -> int:  # a skip's room for its concat's other half (UNet3d._skip_rooms)
+        return widths[level] if s.rooms and level < s.levels else 0
+
+    h = b.double_conv(x, s.in_channels, widths[0], 0, block, cast_input=s.amp, room=room(0))
     skips = []
     for level in range(1, s.levels + 1):
         skips.append(h)
-        h = b.double_conv(b.pool(h, widths[level - 1], level), widths[level - 1], widths[level], level, block)
+        h = b.double_conv(b.pool(h, widths[level - 1], level), widths[level - 1], widths[level], level, block,
+                          room=room(level))
     for level in reversed(range(s.levels)):
         whole = on and level > 0  # below full resolution the whole Up level is one segment
         b.begin(whole)

@@ -49,6 +49,7 @@ class ConvTransposeCall(NamedTuple):
     output_padding: tuple
     groups: int
     dilation: tuple
+    out: Optional[torch.Tensor] = None  # where a Triton forward may write the output (FastConvTranspose3d)
 
 
 class GroupNormCall(NamedTuple):
@@ -59,12 +60,14 @@ class GroupNormCall(NamedTuple):
     eps: float
     relu: bool
     out_dtype: Optional[torch.dtype]  # None: as F.group_norm returns (fp32 under autocast)
+    room: int = 0  # channels of room to leave after the output for a later concat (FastGroupNorm)
 
 
 class ConcatCall(NamedTuple):
     a: torch.Tensor
     b: torch.Tensor
     dtype: Optional[torch.dtype]  # the consumer's compute dtype (autocast's), written for both halves
+    into_room: bool = False  # a is a GroupNorm output made with room for b (FastConcat)
 
 
 class PoolCall(NamedTuple):
@@ -192,7 +195,7 @@ def _conv_supports(c: ConvCall) -> bool:
 
 
 def _conv_transpose_supports(c: ConvTransposeCall) -> bool:
-    return _supported("scaffold.kernels.conv", "conv_transpose3d_supported", *c)
+    return _supported("scaffold.kernels.conv", "conv_transpose3d_supported", *c[:8])
 
 
 def _conv_forward(c: ConvCall, route) -> torch.Tensor:
@@ -201,7 +204,8 @@ def _conv_forward(c: ConvCall, route) -> torch.Tensor:
 
 
 def _conv_transpose_forward(c: ConvTransposeCall, route) -> torch.Tensor:
-    return kernel_module("scaffold.model.conv").conv_transpose3d(c.x, c.weight, c.bias, c.stride, route)
+    return kernel_module("scaffold.model.conv").conv_transpose3d(c.x, c.weight, c.bias, c.stride, route,
+                                                                 out=c.out)
 
 
 def _routed(supports: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -224,10 +228,10 @@ def _register_triton_rungs() -> None:
     _REGISTRY["group_norm"][TRITON] = Rung(
         lambda c: _supported(gn, "group_norm_supported", c.x, c.num_groups, c.weight, c.bias),
         lambda c: kernel_module(gn).group_norm(c.x, c.num_groups, c.weight, c.bias, c.eps, c.relu,
-                                               out_dtype=c.out_dtype))
+                                               out_dtype=c.out_dtype, room=c.room))
     _REGISTRY["concat"][TRITON] = Rung(
         lambda c: _supported(cat, "concat_supported", c.a, c.b),
-        lambda c: kernel_module(cat).concat_channels(c.a, c.b, c.dtype))
+        lambda c: kernel_module(cat).concat_channels(c.a, c.b, c.dtype, into_room=c.into_room))
     _REGISTRY["pool"][TRITON] = Rung(
         lambda c: _supported(pool, "max_pool2_supported", c.x),
         lambda c: (kernel_module(pool).max_pool2_with_skip(c.x) if c.skip

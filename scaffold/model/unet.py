@@ -36,6 +36,9 @@ class UNet3d(nn.Module):
         self.outc = FastConv3d(base_width, n_classes, 1, bias=True)
         set_ladder(self, ladder)
         self.recompute = "off"
+        # Skips written with room for the decoder's half of their concat (_skip_rooms): the same values,
+        # half the concat's copying. A plain attribute, outside the state dict; tests turn it off.
+        self.skip_rooms = True
 
     def set_recompute(self, mode) -> "UNet3d":
         """`off` or `blocks` (True/False too); the same bits either way. `blocks`: the stem's and each
@@ -83,17 +86,30 @@ class UNet3d(nn.Module):
                              f"got {tuple(x.shape)}")
         if self.inc.conv1.weight.is_contiguous(memory_format=torch.channels_last_3d):
             x = x.contiguous(memory_format=torch.channels_last_3d)
+        rooms = self._skip_rooms(shards)
         skips = []
-        x = self.inc(x)
-        for down in self.downs:
+        x = self.inc(x, rooms[0])
+        for level, down in enumerate(self.downs, 1):
             if shards is None:  # x's two gradients (skip and pool) summed in the pool's backward
-                skip, x = down.with_skip(x)
+                skip, x = down.with_skip(x, rooms[level])
             else:  # a sharded Down block moves its input first (scaffold.spatial): the skip keeps x
                 skip, x = x, down(x)
             skips.append(skip)
-        for up in self.ups:
-            x = up(x, skips.pop())
+        for level, up in zip(reversed(range(self.levels)), self.ups):
+            x = up(x, skips.pop(), into_room=rooms[level] > 0)
         return self.outc(x)
+
+    def _skip_rooms(self, shards) -> list[int]:
+        """Per level (0 = the stem), the channels of room its skip leaves for the decoder's upsampled
+        half, so that the skip concat copies only that half (scaffold.kernels.concat, into_room): a
+        skip's width at every level but the bottom, which is no skip. None where a block recomputes
+        (its segments own their tensors; without autograd nothing recomputes), under spatial shards (the
+        skip is moved), under torch.compile (the registered ops leave no room) or when `skip_rooms` is
+        off."""
+        off = (not self.skip_rooms or (self.recompute != "off" and torch.is_grad_enabled())
+               or shards is not None or torch.compiler.is_compiling())
+        widths = [self.inc.conv2.out_channels] + [d.conv.conv2.out_channels for d in self.downs]
+        return [0 if off or level == self.levels else w for level, w in enumerate(widths)]
 
 
 def resolve_recompute(cfg: Any, n_classes: int, device: Any = None) -> str:
