@@ -83,10 +83,12 @@ def test_the_room_is_only_taken_where_it_is_exactly_there():
 
 
 def _unet_bits(conv_transpose: str, amp: bool):
+    from scaffold import determinism
     from scaffold.config import LadderConfig
     from scaffold.model.ladder import set_ladder
     from scaffold.model.unet import UNet3d
 
+    determinism.configure("default")  # on CUDA: deterministic cuDNN, no TF32, as a run has it
     torch.manual_seed(0)
     model = UNet3d(3, bottleneck=1, base_width=4, groups=2, n_classes=3).to_device(DEV)
     set_ladder(model, LadderConfig(pool="triton", group_norm="triton", concat="triton",

@@ -58,7 +58,7 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
 CATEGORIES = (
     ("group_norm", ("_gn_", "group_norm", "GroupNorm", "RowwiseMoments", "GammaBeta", "ComputeFusedParams",
                     "ComputeInternalGradients", "ComputeBackwardFusedParams")),
-    ("concat", ("_concat_kernel", "_split_kernel", "CatArrayBatched")),
+    ("concat", ("_concat_kernel", "_split_kernel", "_copy_kernel", "CatArrayBatched")),
     ("pool", ("_pool_fwd_kernel", "_pool_bwd_kernel")),
     ("loss", ("_loss_", "softmax", "nll")),
     ("conv", ("conv", "Conv", "cudnn", "xmma", "cutlass", "sm90_", "implicit", "wgrad", "dgrad",
