@@ -22,9 +22,9 @@ def test_the_parameter_count_is_the_models(scale, bottleneck, width):
     assert param_count(scale, bottleneck, width, 3, 6) == sum(p.numel() for p in model.parameters())
 
 
-def _saved_bytes(scale: int, recompute: str, amp: bool, batch: int = 2, ladder=None) -> int:
+def _saved_bytes(scale: int, recompute: str, amp: bool, batch: int = 2, ladder=None, head=None) -> int:
     """Bytes of the distinct storages autograd saves in one forward + loss (parameters excluded), on
-    the vendor rungs or those `ladder` sets."""
+    the vendor rungs or those `ladder` sets (and `head` for the 1x1x1 head's conv)."""
     from scaffold.model import census, set_ladder
 
     torch.manual_seed(0)
@@ -33,6 +33,8 @@ def _saved_bytes(scale: int, recompute: str, amp: bool, batch: int = 2, ladder=N
     if ladder is not None:
         set_ladder(model, ladder)
         set_ladder(loss, ladder)
+    if head is not None:
+        model.outc.ladder_setting = head
     model.set_recompute(recompute)
     edge = 2**scale
     labels = torch.randint(0, 4, (batch, edge, edge, edge), dtype=torch.uint8)
@@ -127,20 +129,22 @@ def test_graphs_give_way_to_eager_steps_only_where_they_would_not_fit(tmp_path, 
     assert not fits and line.endswith("cuda_graph=auto -> eager")
 
 
-@pytest.mark.parametrize("recompute", ["off", "blocks"])
-def test_the_saved_bytes_of_our_rungs_are_what_autograd_saves(recompute):
+@pytest.mark.parametrize("recompute,head", [("off", "vendor"), ("blocks", "vendor"), ("off", "triton")])
+def test_the_saved_bytes_of_our_rungs_are_what_autograd_saves(recompute, head):
     """The CUDA prediction's assumptions about our rungs (GroupNorm keeps its input and two statistics
-    per group, the pool a uint8 index, the concat nothing, the loss its logits, labels and sums), checked
-    on the Triton interpreter at scale 3 (fp32; convs on vendor, which keep their input either way).
-    The model leaves out the loss's class weights (4 bytes a class), which live as long as the run."""
+    per group, the pool a uint8 index, the concat nothing, the loss its logits, labels and sums; the
+    last GroupNorm fused with a Triton head keeps no normalized tensor), checked on the Triton
+    interpreter at scale 3 (fp32; convs on vendor, which keep their input either way). The model leaves
+    out the loss's class weights (4 bytes a class), which live as long as the run."""
     from scaffold.config import LadderConfig
     from scaffold.kernels.lib.device import triton_usable
 
     if not triton_usable(torch.empty(0)):
         pytest.skip("Triton cannot run here (no interpreter)")
     ladder = LadderConfig("vendor", "vendor", "triton", "triton", "triton", "triton")
-    saved = _saved_bytes(3, recompute, False, ladder=ladder)
-    s = StepShape(3, 2, 8, 4, 3, 4, 2, False, "cpu", True, recompute, False)
+    saved = _saved_bytes(3, recompute, False, ladder=ladder, head=head)
+    s = StepShape(3, 2, 8, 4, 3, 4, 2, False, "cpu", True, recompute, False, head_on_vendor=head == "vendor")
+    assert s.fused_head == (head == "triton" and recompute == "off")
     assert saved == walk(s).saved + 4 * 4  # the class weights
 
 

@@ -51,19 +51,24 @@ class DoubleConv(nn.Module):
     def _first(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm1(self.conv1(x))
 
-    def _second(self, h: torch.Tensor, room: int = 0) -> torch.Tensor:
+    def _second(self, h: torch.Tensor, room: int = 0, head=None) -> torch.Tensor:
         h = self.conv2(h)
+        if head is not None:
+            return self.norm2.with_head(h, head)
         # (only a FastGroupNorm takes `room`: scaffold.spatial swaps in norms that do not)
         return self.norm2(h, room=room) if room else self.norm2(h)
 
-    def _both(self, x: torch.Tensor, room: int = 0) -> torch.Tensor:
-        return self._second(self._first(x), room)
+    def _both(self, x: torch.Tensor, room: int = 0, head=None) -> torch.Tensor:
+        return self._second(self._first(x), room, head)
 
-    def forward(self, x: torch.Tensor, room: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, room: int = 0, head=None) -> torch.Tensor:
         """`room`: channels of room the output leaves after it for the concat that reads it as a skip
-        (FastGroupNorm); kept blocks only."""
+        (FastGroupNorm); `head`: a 1×1×1 conv site applied to the output, fused with the last norm where
+        it can be (FastGroupNorm.with_head): the block then returns head(output). Kept blocks only."""
         if self.recompute == KEEP or not torch.is_grad_enabled():  # evaluation saves nothing anyway
-            return self._both(x, room)
+            return self._both(x, room, head)
+        if head is not None:
+            raise ValueError("DoubleConv: a fused head needs a block that is kept, not recomputed")
         if self.recompute == BLOCK:
             return recomputed(self._both, x)
         return recomputed(self._second, recomputed(self._first, x))
@@ -97,12 +102,14 @@ class Up(nn.Module):
         # instead of the concat, which is as large as both.
         self.recompute = False
 
-    def _level(self, x: torch.Tensor, skip: torch.Tensor, into_room: bool = False) -> torch.Tensor:
+    def _level(self, x: torch.Tensor, skip: torch.Tensor, into_room: bool = False, head=None) -> torch.Tensor:
         # With the skip made with room for the upsampled half, the transposed conv may write into it
         # (a Triton forward does), and the concat then copies nothing.
         if not into_room:
-            return self.conv(self.concat(skip, self.up(x)))
-        return self.conv(self.concat(skip, self.up(x, out=self._room(x, skip)), into_room=True))
+            cat = self.concat(skip, self.up(x))
+        else:
+            cat = self.concat(skip, self.up(x, out=self._room(x, skip)), into_room=True)
+        return self.conv(cat) if head is None else self.conv(cat, head=head)
 
     def _room(self, x: torch.Tensor, skip: torch.Tensor):
         """The room after the skip's channels, when it has exactly the transposed conv's output: its
@@ -114,8 +121,11 @@ class Up(nn.Module):
         base = room_base(skip, self.up.out_channels, dtype)
         return None if base is None else base[:, skip.shape[1]:]
 
-    def forward(self, x: torch.Tensor, skip: torch.Tensor, into_room: bool = False) -> torch.Tensor:
-        """`into_room`: the skip was made with room for this level's upsampled half (FastConcat)."""
+    def forward(self, x: torch.Tensor, skip: torch.Tensor, into_room: bool = False, head=None) -> torch.Tensor:
+        """`into_room`: the skip was made with room for this level's upsampled half (FastConcat);
+        `head`: as DoubleConv's (the level then returns head(output))."""
         if self.recompute and torch.is_grad_enabled():
+            if head is not None:
+                raise ValueError("Up: a fused head needs a level that is kept, not recomputed")
             return recomputed(self._level, x, skip)
-        return self._level(x, skip, into_room)
+        return self._level(x, skip, into_room, head)

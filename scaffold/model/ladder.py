@@ -215,6 +215,54 @@ class FastGroupNorm(LadderSite, nn.GroupNorm):
                              room)
         return self._run(call, lambda: self._vendor(x, out_dtype))
 
+    def with_head(self, x: torch.Tensor, head: "FastConv3d") -> torch.Tensor:
+        """head(self(x)) for a 1×1×1 convolution site `head` (the U-Net's output layer): where this site
+        runs Triton and the head's rung is not vendor, one fused pass each way that never writes the
+        normalized tensor nor its gradient (scaffold.kernels.norm_head; the order of two sums differs
+        from the separate ops', see there); else, or if the fused kernels fail (warned once, then the
+        separate ops for good), exactly head(self(x))."""
+        fused = self._fused_head_call(x, head)
+        if fused is not None:
+            try:
+                out = policy.kernel_module("scaffold.kernels.norm_head").norm_head(*fused)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # a compile failure or a kernel bug: the separate ops from now on
+                self.head_fallback = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                warnings.warn(f"{self.ladder_name} (group_norm + head): fused kernels failed, running the "
+                              f"separate ops from now on: {self.head_fallback}", LadderWarning, stacklevel=2)
+            else:
+                self.rungs_ran.add(policy.TRITON)
+                head.rungs_ran.add(policy.TRITON)
+                return out
+        return head(self(x))
+
+    def _fused_head_call(self, x: torch.Tensor, head: "FastConv3d") -> Optional[tuple]:
+        """The arguments of norm_head for this call, or None where it must run apart."""
+        if (not self.relu or self.vendor_only or head.vendor_only or getattr(self, "head_fallback", None)
+                or head.padding_mode != "zeros" or head.kernel_size != (1, 1, 1) or head.stride != (1, 1, 1)
+                or head.padding != (0, 0, 0) or head.dilation != (1, 1, 1) or head.groups != 1):
+            return None
+        kind = x.device.type
+        amp = torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind) if amp else x.dtype
+        gn_call = GroupNormCall(x, self.num_groups, self.weight, self.bias, self.eps, True,
+                                dtype if self.autocast_output or not amp else None)
+        if policy.select_rung(self.op, self.ladder_setting, gn_call) != policy.TRITON:
+            return None
+        hw, hb = working_weights(head, x)
+        conv_call = ConvCall(x, hw, hb, head.stride, head.padding, head.dilation, head.groups)
+        if policy.select_rung(head.op, head.ladder_setting, conv_call) == VENDOR:
+            return None
+        mod = policy.kernel_module("scaffold.kernels.norm_head")
+        if mod is None:
+            return None
+        if amp:  # as autocast casts the conv's weight and bias (a no-op on working copies)
+            hw, hb = hw.to(dtype), None if hb is None else hb.to(dtype)
+        if hw.dtype != dtype or not mod.norm_head_supported(x, self.num_groups, self.weight, self.bias, hw, hb):
+            return None
+        return x, self.num_groups, self.weight, self.bias, self.eps, hw, hb, dtype
+
     def extra_repr(self) -> str:
         return super().extra_repr() + (", relu=True" if self.relu else "")
 

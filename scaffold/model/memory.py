@@ -74,6 +74,7 @@ class StepShape:
     depth_shards: int = 1  # D split over this many devices (scaffold.spatial): each holds all the
     # parameters, a D-slab of every volume and of each split level's activations (a level is split
     # while its edge has at least one plane per shard; deeper levels run whole on every shard)
+    head_on_vendor: bool = False  # the 1x1x1 head forced to vendor (ladder.conv=vendor): not fused
 
     @property
     def working(self) -> bool:
@@ -86,6 +87,12 @@ class StepShape:
         """Whether each skip is written with room for its concat's other half (UNet3d._skip_rooms): our
         rungs, no recompute, volumes not split."""
         return self.fused and self.recompute == "off" and self.depth_shards == 1
+
+    @property
+    def fused_head(self) -> bool:
+        """Whether the last GroupNorm + ReLU and the 1x1x1 head run as one (UNet3d._fuse_head): our
+        rungs, the last level kept, volumes not split."""
+        return self.fused and not self.head_on_vendor and self.recompute == "off" and self.depth_shards == 1
 
     @property
     def levels(self) -> int:
@@ -249,6 +256,21 @@ class _Builder:
             self.op([x], [y, stats], saved=(x, y, stats), param_grad=8 * channels)
         return y
 
+    def norm_head(self, x: _T, channels: int) -> _T:
+        """GroupNorm + ReLU and the 1x1x1 head as one op (scaffold.kernels.norm_head): keeps its input,
+        the statistics and (under autocast without working copies) the head's bf16 weight; the
+        normalized tensor and its gradient never exist."""
+        s = self.s
+        numel = channels * s.n_classes
+        wcopy = [_T(2 * numel, grad=False)] if self.cast else []
+        stats = _T(2 * 4 * s.batch * s.groups, grad=False)
+        logits = self.act(s.n_classes, 0)
+        for w in wcopy:
+            self.op([], [w])
+        self.op([x, *wcopy], [logits, stats], saved=(x, stats, *wcopy),
+                param_grad=8 * channels + self.g * (numel + s.n_classes), grad_temp=2 * numel if self.cast else 0)
+        return logits
+
     def pool(self, x: _T, channels: int, level: int) -> _T:
         """2x2x2 max pool to `level`: keeps a uint8 index per output. torch's formulation copies the
         windows and takes an int64 index first. Where the split ends, its input is first gathered
@@ -287,15 +309,17 @@ class _Builder:
         self.segment = None
 
     def double_conv(self, x: _T, cin: int, cout: int, level: int, mode: str = "",
-                    cast_input: bool = False, room: int = 0) -> _T:
+                    cast_input: bool = False, room: int = 0, head: bool = False) -> _T:
         """mode as DoubleConv.recompute: "" keeps, "block" recomputes both convs as one segment,
-        "convs" each conv + norm as its own. `room`: as DoubleConv's, for the output."""
+        "convs" each conv + norm as its own. `room`: as DoubleConv's, for the output; `head`: the
+        second norm fused with the 1x1x1 head, which the block then returns (the logits)."""
         self.begin(mode != "")
         h = self.norm(self.conv(x, cin, cout, level, cast_input=cast_input), cout, level)
         if mode == "convs":
             self.end()
             self.begin(True)
-        y = self.norm(self.conv(h, cout, cout, level), cout, level, room)
+        h = self.conv(h, cout, cout, level)
+        y = self.norm_head(h, cout) if head else self.norm(h, cout, level, room)
         if mode != "":
             self.end()
         return y
@@ -346,10 +370,12 @@ def _step_ops(s: StepShape) -> tuple[list[_Op], set, _T, _T]:
         b.begin(whole)
         up = b.conv_transpose(h, widths[level + 1], widths[level], level)
         cat = b.concat(skips.pop(), up, widths[level + 1], level)
-        h = b.double_conv(cat, widths[level + 1], widths[level], level, "convs" if on and level == 0 else "")
+        head = s.fused_head and level == 0
+        h = b.double_conv(cat, widths[level + 1], widths[level], level, "convs" if on and level == 0 else "",
+                          head=head)
         if whole:
             b.end()
-    logits = b.conv(h, widths[0], s.n_classes, 0, taps=1, bias=True)
+    logits = h if s.fused_head else b.conv(h, widths[0], s.n_classes, 0, taps=1, bias=True)
     b.loss(logits, labels)
     return b.ops, {x, logits, labels}, x, logits
 
@@ -619,7 +645,8 @@ def shape_from_config(cfg: Any, device: str, recompute: str = "off", n_classes: 
     return StepShape(cfg.scale, m.bottleneck, m.base_width, m.groups, 3,
                      n_classes if n_classes is not None else cfg.data.n_categories + 1, cfg.batch_size,
                      amp, device, fused, recompute, graph, data_bytes, world > 1,
-                     device == "cuda" and world == 1, shards)
+                     device == "cuda" and world == 1, shards,
+                     head_on_vendor=getattr(cfg.ladder, "conv", "auto") == "vendor")
 
 
 @dataclass(frozen=True)

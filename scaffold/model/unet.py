@@ -39,6 +39,9 @@ class UNet3d(nn.Module):
         # Skips written with room for the decoder's half of their concat (_skip_rooms): the same values,
         # half the concat's copying. A plain attribute, outside the state dict; tests turn it off.
         self.skip_rooms = True
+        # The last GroupNorm + ReLU and the head fused (_fuse_head): the order of two sums differs from
+        # the separate ops'. A plain attribute, outside the state dict; tests turn it off.
+        self.fuse_head = True
 
     def set_recompute(self, mode) -> "UNet3d":
         """`off` or `blocks` (True/False too); the same bits either way. `blocks`: the stem's and each
@@ -95,9 +98,19 @@ class UNet3d(nn.Module):
             else:  # a sharded Down block moves its input first (scaffold.spatial): the skip keeps x
                 skip, x = x, down(x)
             skips.append(skip)
+        head = self.outc if self._fuse_head(shards) else None
         for level, up in zip(reversed(range(self.levels)), self.ups):
+            if level == 0 and head is not None:  # the last norm and the 1x1x1 head, fused where they can be
+                return up(x, skips.pop(), into_room=rooms[level] > 0, head=head)
             x = up(x, skips.pop(), into_room=rooms[level] > 0)
         return self.outc(x)
+
+    def _fuse_head(self, shards) -> bool:
+        """Whether the last GroupNorm + ReLU and the 1×1×1 head may run as one (FastGroupNorm.with_head,
+        which still runs them apart where a rung says so): not where the last level recomputes, under
+        spatial shards, under torch.compile, or when `fuse_head` is off."""
+        return (self.fuse_head and (self.recompute == "off" or not torch.is_grad_enabled())
+                and shards is None and not torch.compiler.is_compiling())
 
     def _skip_rooms(self, shards) -> list[int]:
         """Per level (0 = the stem), the channels of room its skip leaves for the decoder's upsampled

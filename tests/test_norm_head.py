@@ -1,0 +1,155 @@
+"""The last GroupNorm + ReLU fused with the 1×1×1 head (scaffold.kernels.norm_head, FastGroupNorm.with_head):
+the separate ops' values and gradients up to the order of two sums, the same error against fp32 as the
+separate ops in bf16, bitwise run to run, used by the U-Net only where its rungs allow, and the separate
+ops when the fused kernels fail. On CUDA these run on the GPU, elsewhere in Triton's interpreter."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scaffold.kernels import norm_head as NH
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CL = torch.channels_last_3d
+
+
+def _inputs(N=2, C=6, K=3, seed=0, affine=True, head_bias=True, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, C, 4, 6, 4, generator=g).to(DEV, dtype).contiguous(memory_format=CL)
+    w = (torch.rand(C, generator=g) + 0.5).to(DEV) if affine else None
+    b = (torch.randn(C, generator=g) * 0.3).to(DEV) if affine else None
+    hw = torch.randn(K, C, 1, 1, 1, generator=g).to(DEV, dtype)
+    hb = torch.randn(K, generator=g).to(DEV, dtype) if head_bias else None
+    leaves = [t.requires_grad_() for t in (x, w, b, hw, hb) if t is not None]
+    return (x, w, b, hw, hb), leaves
+
+
+def _reference(x, w, b, hw, hb, groups):
+    return F.conv3d(F.relu(F.group_norm(x, groups, w, b, 1e-5)), hw, hb)
+
+
+@pytest.mark.parametrize("affine,head_bias", [(True, True), (False, False), (True, False)])
+def test_fp32_values_and_gradients_match_the_separate_ops(affine, head_bias):
+    (x, w, b, hw, hb), leaves = _inputs(affine=affine, head_bias=head_bias)
+    out = NH.norm_head(x, 3, w, b, 1e-5, hw, hb, torch.float32)
+    ref = _reference(x, w, b, hw, hb, 3)
+    assert out.shape == ref.shape and out.is_contiguous(memory_format=CL)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9)).to(DEV)
+    got = torch.autograd.grad(out, leaves, g)
+    want = torch.autograd.grad(ref, leaves, g)
+    for a, r in zip(got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_is_as_close_to_fp32_as_the_separate_ops_and_bitwise_run_to_run():
+    (x, w, b, hw, hb), _ = _inputs(C=8, K=6, seed=3)
+    x16, hw16, hb16 = (t.detach().bfloat16().requires_grad_() for t in (x, hw, hb))
+    g = torch.randn(2, 6, 4, 6, 4, generator=torch.Generator().manual_seed(4)).to(DEV)
+    truth = _reference(x, w, b, hw, hb, 2)
+    (dx_true,) = torch.autograd.grad(truth, x, g)
+
+    def fused():
+        out = NH.norm_head(x16, 2, w, b, 1e-5, hw16, hb16, torch.bfloat16)
+        return (out, *torch.autograd.grad(out, (x16, w, b, hw16, hb16), g.bfloat16()))
+
+    one, two = fused(), fused()
+    assert all(torch.equal(a, c) for a, c in zip(one, two))
+    # the separate ops in bf16, as autocast runs them: y stored in bf16, the conv in bf16
+    y = F.relu(F.group_norm(x16.float(), 2, w, b, 1e-5)).bfloat16()
+    sep = F.conv3d(y.float(), hw16.float(), hb16.float()).bfloat16()
+    (dx_sep,) = torch.autograd.grad(sep, x16, g.bfloat16())
+    err = lambda a, r: ((a.float() - r).norm() / r.norm()).item()  # noqa: E731
+    assert err(one[0], truth) <= 1.5 * err(sep, truth) + 1e-3
+    assert err(one[1], dx_true) <= 1.5 * err(dx_sep, dx_true) + 1e-3
+
+
+def test_unsupported_calls_are_refused_in_one_line():
+    (x, w, b, hw, hb), _ = _inputs()
+    assert not NH.norm_head_supported(x, 3, w, b, torch.randn(3, 6, 3, 3, 3, device=DEV), hb)  # not 1x1x1
+    assert not NH.norm_head_supported(x, 3, w, b, torch.randn(17, 6, 1, 1, 1, device=DEV), None)  # classes
+    with pytest.raises(ValueError, match="norm_head: unsupported call"):
+        NH.norm_head(x, 3, w, b, 1e-5, torch.randn(3, 6, 3, 3, 3, device=DEV), hb, torch.float32)
+
+
+def _unet(head_setting="triton"):
+    from scaffold import determinism
+    from scaffold.config import LadderConfig
+    from scaffold.model.ladder import set_ladder
+    from scaffold.model.unet import UNet3d
+
+    determinism.configure("default")
+    torch.manual_seed(0)
+    model = UNet3d(3, bottleneck=1, base_width=4, groups=2, n_classes=3).to_device(DEV)
+    set_ladder(model, LadderConfig(pool="triton", group_norm="triton", concat="triton"))
+    model.outc.ladder_setting = head_setting
+    return model
+
+
+def _step(model, x):
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    y.float().square().sum().backward()
+    return y.detach().clone(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_unet_fuses_its_head_with_the_same_values_as_apart(monkeypatch):
+    model = _unet()
+    x = torch.randn(2, 3, 8, 8, 8, generator=torch.Generator().manual_seed(5)).to(DEV)
+    calls, head_calls = [], []
+    real = NH.norm_head
+    monkeypatch.setattr(NH, "norm_head", lambda *a: calls.append(1) or real(*a))
+    model.outc.register_forward_hook(lambda *_: head_calls.append(1))
+    fused = _step(model, x)
+    again = _step(model, x)
+    assert len(calls) == 2 and head_calls == []  # fused both times; the head's own forward never ran
+    assert torch.equal(fused[0], again[0]) and all(torch.equal(a, b) for a, b in zip(fused[1], again[1]))
+    assert "triton" in model.outc.rungs_ran and "triton" in model.ups[-1].conv.norm2.rungs_ran
+    model.fuse_head = False
+    apart = _step(model, x)
+    assert len(calls) == 2 and head_calls == [1]
+    torch.testing.assert_close(fused[0], apart[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(fused[1], apart[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_no_fusion_where_a_rung_says_vendor_or_the_level_recomputes(monkeypatch):
+    calls = []
+    real = NH.norm_head
+    monkeypatch.setattr(NH, "norm_head", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(5)).to(DEV)
+    model = _unet(head_setting="vendor")  # the head forced to vendor
+    _step(model, x)
+    model = _unet()
+    model.ups[-1].conv.norm2.ladder_setting = "vendor"  # the norm forced to vendor
+    _step(model, x)
+    model = _unet()
+    model.set_recompute("blocks")
+    _step(model, x)
+    assert calls == []
+    with torch.no_grad():  # without autograd nothing recomputes: fused
+        model(x)
+    assert calls == [1]
+
+
+def test_a_failing_fused_kernel_falls_back_to_the_separate_ops_for_good(monkeypatch):
+    model = _unet()
+    x = torch.randn(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(5)).to(DEV)
+    model.fuse_head = False
+    apart = _step(model, x)
+    model.fuse_head = True
+
+    def broken(*a):
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(NH, "norm_head", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _step(model, x)
+        again = _step(model, x)
+    assert sum("fused kernels failed" in str(w.message) for w in caught) == 1
+    assert model.ups[-1].conv.norm2.head_fallback.startswith("RuntimeError: compile failed")
+    assert torch.equal(out[0], apart[0]) and torch.equal(again[0], apart[0])
+    assert all(torch.equal(a, b) for a, b in zip(out[1], apart[1]))
