@@ -56,6 +56,7 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
 
 # Kernel name fragments -> the part of the step they belong to (first match wins).
 CATEGORIES = (
+    ("norm_head", ("_nh_",)),  # the last GroupNorm fused with the 1x1x1 head (scaffold.kernels.norm_head)
     ("group_norm", ("_gn_", "group_norm", "GroupNorm", "RowwiseMoments", "GammaBeta", "ComputeFusedParams",
                     "ComputeInternalGradients", "ComputeBackwardFusedParams")),
     ("concat", ("_concat_kernel", "_split_kernel", "_copy_kernel", "CatArrayBatched")),

@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 from .groupnorm import (_channel_params, _gn_bwd_combine_kernel, _gn_fwd_combine_kernel, _gn_fwd_partials_kernel,
                         _gn_sum_over_batch_kernel, _masked_grad, _store_partials, _tile_ptrs, group_norm_supported,
                         plan_for)
+from .conv.gather import dot_mode, mma
 from .lib.device import triton_usable
 from .lib.indexing import cdiv, next_pow2
 from .lib.layout import empty_channels_last, flat_nsc, nsc_strides
@@ -41,36 +42,28 @@ _NO_FUSION = dict(enable_fp_fusion=False)
 
 @triton.jit
 def _normalized(x, mean, rstd, w, b, Y_DTYPE: tl.constexpr):
-    """ReLU(GroupNorm(x)) as the head reads it: rounded to Y_DTYPE (the stored y of the separate ops),
-    back in fp32. The pre-ReLU expression is _masked_grad's, so the ReLU masks agree."""
+    """ReLU(GroupNorm(x)) as the head reads it: rounded to Y_DTYPE (the stored y of the separate ops).
+    The pre-ReLU expression is _masked_grad's, so the ReLU masks agree."""
     y = (x - mean[None, :]) * (rstd * w)[None, :] + b[None, :]
     y = tl.where(y < 0.0, 0.0, y)
-    return to_f32(cast_rne(y, Y_DTYPE))
+    return cast_rne(y, Y_DTYPE)
 
 
 @triton.jit
-def _head_row(hw_ptr, k, C, K, BLOCK_C: tl.constexpr):
-    """Row k of the head's [K, C] weight, fp32 (zeros past K or C)."""
+def _head_dy(lbase, s0, end, l_ss, l_sc, hw_ptr, C, K, Y_DTYPE: tl.constexpr, BLOCK_S: tl.constexpr,
+             BLOCK_C: tl.constexpr):
+    """dy = Σ_k dl[:, k]·W[k, :] over the K classes in order (elementwise fp32, so every kernel that
+    recomputes it gets the same bits), rounded to Y_DTYPE as the head's stored input gradient would be;
+    fp32. Rows past `end` come out zero."""
+    rows = s0 + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_C)
-    rows = tl.full([BLOCK_C], k, tl.int32)
-    return to_f32(tl.load(hw_ptr + rows * C + cols, mask=(cols < C) & (rows < K), other=0.0))
-
-
-@triton.jit
-def _column(t, k, BLOCK_K: tl.constexpr):
-    """Column k of a [rows, BLOCK_K] tile (the other columns masked to zero and summed away: exact)."""
-    ks = tl.arange(0, BLOCK_K)
-    return tl.sum(tl.where(ks[None, :] == k, t, 0.0), axis=1)
-
-
-@triton.jit
-def _head_dy(dl, hw_ptr, C, K, Y_DTYPE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """dy = dl·W over the K classes in order, rounded to Y_DTYPE as the head's stored input gradient
-    would be; fp32."""
+    rmask = rows < end
+    lrow = lbase + rows.to(tl.int64) * l_ss
     dy = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
-    for k in tl.static_range(BLOCK_K):
-        dy += _column(dl, k, BLOCK_K)[:, None] * _head_row(hw_ptr, k, C, K, BLOCK_C)[None, :]
+    for k in range(0, K):
+        dlk = to_f32(tl.load(lrow + k * l_sc, mask=rmask, other=0.0))
+        wk = to_f32(tl.load(hw_ptr + k * C + cols, mask=cols < C, other=0.0))
+        dy += dlk[:, None] * wk[None, :]
     return to_f32(cast_rne(dy, Y_DTYPE))
 
 
@@ -80,19 +73,20 @@ def _head_dy(dl, hw_ptr, C, K, Y_DTYPE: tl.constexpr, BLOCK_S: tl.constexpr, BLO
 def _nh_fwd_kernel(x_ptr, lg_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_ptr, hb_ptr, S, C, G, CG, K,
                    x_sn, x_ss, x_sc, l_sn, l_ss, l_sc,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_HB: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
     """The logits of one [BLOCK_S, C] tile of one sample: y = ReLU(GroupNorm(x)) as stored, then
-    Σ_c y·W[k, c] (+ bias) per class, summed in fp32 and rounded once to the logits' dtype."""
+    y·Wᵀ (+ bias) as a dot with fp32 accumulation, rounded once to the logits' dtype."""
     s0 = tl.program_id(0) * BLOCK_S
     n = tl.program_id(1)
     mean, rstd, w, b = _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG, HAS_W, HAS_B, BLOCK_C)
     xp, mask = _tile_ptrs(x_ptr + n.to(tl.int64) * x_sn, s0, S, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
     y = _normalized(to_f32(tl.load(xp, mask=mask, other=0.0)), mean, rstd, w, b, lg_ptr.dtype.element_ty)
     ks = tl.arange(0, BLOCK_K)
-    logits = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
-    for k in tl.static_range(BLOCK_K):
-        lk = tl.sum(y * _head_row(hw_ptr, k, C, K, BLOCK_C)[None, :], axis=1)
-        logits = tl.where(ks[None, :] == k, lk[:, None], logits)
+    cols = tl.arange(0, BLOCK_C)
+    wt = tl.load(hw_ptr + ks[None, :] * C + cols[:, None], mask=(cols < C)[:, None] & (ks < K)[None, :],
+                 other=0.0)  # [C, K]: the head's weight transposed
+    logits = mma(y, wt.to(y.dtype), tl.zeros([BLOCK_S, BLOCK_K], tl.float32), PRECISION, UPCAST)
     if HAS_HB:
         logits += to_f32(tl.load(hb_ptr + ks, mask=ks < K, other=0.0))[None, :]
     lp, lmask = _tile_ptrs(lg_ptr + n.to(tl.int64) * l_sn, s0, S, K, l_ss, l_sc, BLOCK_S, BLOCK_K)
@@ -103,9 +97,10 @@ def _nh_fwd_kernel(x_ptr, lg_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_ptr, hb_p
 def _nh_bwd_partials_kernel(x_ptr, dl_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_ptr, pg_ptr, pgx_ptr, pw_ptr,
                             pb_ptr, S, C, G, CG, K, chunk, splits, x_sn, x_ss, x_sc, l_sn, l_ss, l_sc,
                             HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                            PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                             BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per (sample, split), grid (N, splits): each channel's Σ g and Σ g·x̂ (the GroupNorm's), and the
-    head's Σ dl[k]·y[c] and Σ dl[k], over the split's voxels."""
+    head's Σ dl[k]·y[c] (a dot) and Σ dl[k], over the split's voxels."""
     n = tl.program_id(0)
     split = tl.program_id(1)
     start, end = chunk_range(split, chunk, S)
@@ -121,16 +116,14 @@ def _nh_bwd_partials_kernel(x_ptr, dl_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_
         xp, mask = _tile_ptrs(xbase, s0, end, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
         lp, lmask = _tile_ptrs(lbase, s0, end, K, l_ss, l_sc, BLOCK_S, BLOCK_K)
         x = to_f32(tl.load(xp, mask=mask, other=0.0))
-        dl = to_f32(tl.load(lp, mask=lmask, other=0.0))  # rows past the split: dl = 0, so they add 0
+        dl = tl.load(lp, mask=lmask, other=0.0)  # rows past the split: dl = 0, so they add 0
         y = _normalized(x, mean, rstd, w, b, dl_ptr.dtype.element_ty)
-        dy = _head_dy(dl, hw_ptr, C, K, dl_ptr.dtype.element_ty, BLOCK_S, BLOCK_C, BLOCK_K)
+        dy = _head_dy(lbase, s0, end, l_ss, l_sc, hw_ptr, C, K, dl_ptr.dtype.element_ty, BLOCK_S, BLOCK_C)
         xhat, g = _masked_grad(x, dy, mean, rstd, w, b, True)
         acc_g += g
         acc_gx += g * xhat
-        acc_b += dl
-        for k in tl.static_range(BLOCK_K):
-            wk = tl.sum(_column(dl, k, BLOCK_K)[:, None] * y, axis=0)
-            acc_w = tl.where(ks[:, None] == k, acc_w + wk[None, :], acc_w)
+        acc_b += to_f32(dl)
+        acc_w = mma(tl.trans(dl), y, acc_w, PRECISION, UPCAST)
     _store_partials(pg_ptr, pgx_ptr, tl.sum(acc_g, axis=0), tl.sum(acc_gx, axis=0), n, split, splits, C,
                     BLOCK_C)
     row = n * splits + split
@@ -142,29 +135,34 @@ def _nh_bwd_partials_kernel(x_ptr, dl_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_
 
 @triton.jit
 def _nh_head_grads_kernel(pw_ptr, pb_ptr, dw_ptr, db_ptr, rows, K, C, HAS_HB: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """The head's weight gradient [K, C] (and bias gradient [K]): the rows' partials (samples × splits)
-    added in order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    """The head's weight gradient [K, C] (the last program also its bias gradient [K]): the rows'
+    partials (samples × splits) added BLOCK_R rows at a time, then over those, in a fixed order."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    r = tl.arange(0, BLOCK_R)
     mask = offs < K * C
-    acc = tl.zeros([BLOCK], tl.float32)
-    for r in range(0, rows):
-        acc += tl.load(pw_ptr + r * K * C + offs, mask=mask, other=0.0)
-    tl.store(dw_ptr + offs, cast_rne(acc, dw_ptr.dtype.element_ty), mask=mask)
+    acc = tl.zeros([BLOCK_R, BLOCK], tl.float32)
+    for r0 in range(0, rows, BLOCK_R):
+        m = (r0 + r < rows)[:, None] & mask[None, :]
+        acc += tl.load(pw_ptr + (r0 + r)[:, None] * (K * C) + offs[None, :], mask=m, other=0.0)
+    tl.store(dw_ptr + offs, cast_rne(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty), mask=mask)
     if HAS_HB:
-        if tl.program_id(0) == 0:
-            kmask = offs < K
-            accb = tl.zeros([BLOCK], tl.float32)
-            for r in range(0, rows):
-                accb += tl.load(pb_ptr + r * K + offs, mask=kmask, other=0.0)
-            tl.store(db_ptr + offs, cast_rne(accb, db_ptr.dtype.element_ty), mask=kmask)
+        if pid == tl.num_programs(0) - 1:
+            kmask = tl.arange(0, BLOCK) < K
+            accb = tl.zeros([BLOCK_R, BLOCK], tl.float32)
+            for r0 in range(0, rows, BLOCK_R):
+                m = (r0 + r < rows)[:, None] & kmask[None, :]
+                accb += tl.load(pb_ptr + (r0 + r)[:, None] * K + tl.arange(0, BLOCK)[None, :], mask=m, other=0.0)
+            tl.store(db_ptr + tl.arange(0, BLOCK), cast_rne(tl.sum(accb, axis=0), db_ptr.dtype.element_ty),
+                     mask=kmask)
 
 
 @triton.jit
 def _nh_bwd_dx_kernel(x_ptr, dl_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_ptr, c1_ptr, c2_ptr,
                       S, C, G, CG, K, x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, o_sn, o_ss, o_sc,
                       HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                      BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     """dx = rstd·(g·w − c1 − x̂·c2) over one [BLOCK_S, C] tile, dy recomputed from dl."""
     s0 = tl.program_id(0) * BLOCK_S
     n = tl.program_id(1)
@@ -175,17 +173,20 @@ def _nh_bwd_dx_kernel(x_ptr, dl_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, h
     c2 = tl.load(c2_ptr + grp, mask=cols < C, other=0.0)
     n64 = n.to(tl.int64)
     xp, mask = _tile_ptrs(x_ptr + n64 * x_sn, s0, S, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
-    lp, lmask = _tile_ptrs(dl_ptr + n64 * l_sn, s0, S, K, l_ss, l_sc, BLOCK_S, BLOCK_K)
     op, _ = _tile_ptrs(dx_ptr + n64 * o_sn, s0, S, C, o_ss, o_sc, BLOCK_S, BLOCK_C)
     x = to_f32(tl.load(xp, mask=mask, other=0.0))
-    dl = to_f32(tl.load(lp, mask=lmask, other=0.0))
-    dy = _head_dy(dl, hw_ptr, C, K, dl_ptr.dtype.element_ty, BLOCK_S, BLOCK_C, BLOCK_K)
+    dy = _head_dy(dl_ptr + n64 * l_sn, s0, S, l_ss, l_sc, hw_ptr, C, K, dl_ptr.dtype.element_ty, BLOCK_S,
+                  BLOCK_C)
     xhat, g = _masked_grad(x, dy, mean, rstd, w, b, True)
     dx = rstd[None, :] * (g * w[None, :] - c1[None, :] - xhat * c2[None, :])
     tl.store(op, cast_rne(dx, dx_ptr.dtype.element_ty), mask=mask)
 
 
 # --- launchers ------------------------------------------------------------------------------------
+
+def _block_k(K: int) -> int:
+    return max(16, next_pow2(K))  # a dot's dimension: at least 16
+
 
 def _dummy(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
     return t if t is not None else other
@@ -218,8 +219,8 @@ def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor], bi
     _nh_fwd_kernel[(plan.tiles, N)](
         x, logits, mean, rstd, _dummy(weight, mean), _dummy(bias, mean), hw, _dummy(head_bias, hw),
         S, C, G, C // G, K, x_sn, x_ss, x_sc, *nsc_strides(logits),
-        HAS_W=weight is not None, HAS_B=bias is not None, HAS_HB=head_bias is not None,
-        BLOCK_S=plan.ew_block_s, BLOCK_C=plan.block_c, BLOCK_K=max(2, next_pow2(K)),
+        HAS_W=weight is not None, HAS_B=bias is not None, HAS_HB=head_bias is not None, **dot_mode(logits),
+        BLOCK_S=max(16, plan.ew_block_s), BLOCK_C=max(16, plan.block_c), BLOCK_K=_block_k(K),
         num_warps=plan.ew_warps, **_NO_FUSION)
     return logits, mean, rstd
 
@@ -238,7 +239,8 @@ def backward(dl: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], 
     dl, (l_sn, l_ss, l_sc) = flat_nsc(dl)
     plan = plan_for(N, C, S, G, x.device, x.dtype)
     hw = head_weight.reshape(K, C).contiguous()
-    block_k = max(2, next_pow2(K))
+    block_k = _block_k(K)
+    block_c = max(16, plan.block_c)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last_3d)
     f32 = dict(dtype=torch.float32, device=x.device)
     pg = torch.empty((N, plan.splits, C), **f32)
@@ -258,20 +260,22 @@ def backward(dl: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], 
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None)
     _nh_bwd_partials_kernel[(N, plan.splits)](
         x, dl, mean, rstd, w, b, hw, pg, pgx, pw, pb, S, C, G, C // G, K, plan.chunk, plan.splits,
-        x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, **flags,
-        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, BLOCK_K=block_k, num_warps=plan.num_warps, **_NO_FUSION)
+        x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, **flags, **dot_mode(dl),
+        BLOCK_S=max(16, plan.block_s), BLOCK_C=block_c, BLOCK_K=block_k, num_warps=plan.num_warps,
+        **_NO_FUSION)
     _gn_bwd_combine_kernel[(N, G)](
         pg, pgx, w, sg, sgx, c1, c2, S, C, G, C // G, plan.splits, HAS_W=weight is not None,
         BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
     block = min(1024, next_pow2(C))
     _gn_sum_over_batch_kernel[(cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
-    hblock = min(1024, next_pow2(K * C))
+    hblock = max(64, next_pow2(K))  # one program's columns (the bias's K included)
     _nh_head_grads_kernel[(cdiv(K * C, hblock),)](pw, pb, dhw, dhb, N * plan.splits, K, C,
-                                                   HAS_HB=head_bias is not None, BLOCK=hblock, num_warps=4)
+                                                   HAS_HB=head_bias is not None, BLOCK_R=64, BLOCK=hblock,
+                                                   num_warps=4)
     _nh_bwd_dx_kernel[(plan.tiles, N)](
         x, dl, dx, mean, rstd, w, b, hw, c1, c2, S, C, G, C // G, K,
         x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, *nsc_strides(dx), **flags,
-        BLOCK_S=plan.ew_block_s, BLOCK_C=plan.block_c, BLOCK_K=block_k, num_warps=plan.ew_warps, **_NO_FUSION)
+        BLOCK_S=plan.ew_block_s, BLOCK_C=plan.block_c, num_warps=plan.ew_warps, **_NO_FUSION)
     return dx, dw, db, dhw.view(head_weight.shape), dhb
 
 
