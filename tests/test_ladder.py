@@ -21,7 +21,7 @@ def fake_rungs():
              "fail": set()}
     vendor = {
         "conv": lambda c: F.conv3d(*c),
-        "conv_transpose": lambda c: F.conv_transpose3d(*c),
+        "conv_transpose": lambda c: F.conv_transpose3d(*c[:8]),  # (the call's last field, `out`, is a hint)
         "group_norm": lambda c: (F.relu if c.relu else (lambda t: t))(
             F.group_norm(c.x, c.num_groups, c.weight, c.bias, c.eps)).to(c.out_dtype or c.x.dtype),
         "concat": lambda c: torch.cat([c.a, c.b], 1),
@@ -177,7 +177,7 @@ def test_config_rejects_unknown_rungs_naming_the_key_and_accepts_registered_ones
     cfg.ladder.conv_transpose = "fast"
     with pytest.raises(ConfigError, match=r"^ladder\.conv_transpose='fast': expected auto \| routed \| "):
         validate(cfg)
-    P.register_rung("conv_transpose", "fast", lambda c: True, lambda c: F.conv_transpose3d(*c))
+    P.register_rung("conv_transpose", "fast", lambda c: True, lambda c: F.conv_transpose3d(*c[:8]))
     try:
         validate(cfg)  # a registered rung is a valid setting
     finally:

@@ -35,6 +35,7 @@ def _saved_bytes(scale: int, recompute: str, amp: bool, batch: int = 2, ladder=N
         set_ladder(loss, ladder)
     if head is not None:
         model.outc.ladder_setting = head
+        model.fuse_head = True
     model.set_recompute(recompute)
     edge = 2**scale
     labels = torch.randint(0, 4, (batch, edge, edge, edge), dtype=torch.uint8)
@@ -143,7 +144,8 @@ def test_the_saved_bytes_of_our_rungs_are_what_autograd_saves(recompute, head):
         pytest.skip("Triton cannot run here (no interpreter)")
     ladder = LadderConfig("vendor", "vendor", "triton", "triton", "triton", "triton")
     saved = _saved_bytes(3, recompute, False, ladder=ladder, head=head)
-    s = StepShape(3, 2, 8, 4, 3, 4, 2, False, "cpu", True, recompute, False, head_on_vendor=head == "vendor")
+    s = StepShape(3, 2, 8, 4, 3, 4, 2, False, "cpu", True, recompute, False, fuse_head=True,
+                  head_on_vendor=head == "vendor")
     assert s.fused_head == (head == "triton" and recompute == "off")
     assert saved == walk(s).saved + 4 * 4  # the class weights
 

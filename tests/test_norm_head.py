@@ -85,6 +85,7 @@ def _unet(head_setting="triton"):
     model = UNet3d(3, bottleneck=1, base_width=4, groups=2, n_classes=3).to_device(DEV)
     set_ladder(model, LadderConfig(pool="triton", group_norm="triton", concat="triton"))
     model.outc.ladder_setting = head_setting
+    model.fuse_head = True  # off by default (slower on the H200 than the separate ops, see UNet3d)
     return model
 
 
@@ -115,11 +116,16 @@ def test_the_unet_fuses_its_head_with_the_same_values_as_apart(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_no_fusion_where_a_rung_says_vendor_or_the_level_recomputes(monkeypatch):
+def test_no_fusion_by_default_where_a_rung_says_vendor_or_the_level_recomputes(monkeypatch):
+    from scaffold.model.unet import UNet3d
+
     calls = []
     real = NH.norm_head
     monkeypatch.setattr(NH, "norm_head", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(5)).to(DEV)
+    model = _unet()
+    model.fuse_head = UNet3d(3, bottleneck=1).fuse_head  # the default: off
+    _step(model, x)
     model = _unet(head_setting="vendor")  # the head forced to vendor
     _step(model, x)
     model = _unet()

@@ -74,6 +74,7 @@ class StepShape:
     depth_shards: int = 1  # D split over this many devices (scaffold.spatial): each holds all the
     # parameters, a D-slab of every volume and of each split level's activations (a level is split
     # while its edge has at least one plane per shard; deeper levels run whole on every shard)
+    fuse_head: bool = False  # the model fuses its last GroupNorm with the head (UNet3d.fuse_head)
     head_on_vendor: bool = False  # the 1x1x1 head forced to vendor (ladder.conv=vendor): not fused
 
     @property
@@ -90,9 +91,10 @@ class StepShape:
 
     @property
     def fused_head(self) -> bool:
-        """Whether the last GroupNorm + ReLU and the 1x1x1 head run as one (UNet3d._fuse_head): our
-        rungs, the last level kept, volumes not split."""
-        return self.fused and not self.head_on_vendor and self.recompute == "off" and self.depth_shards == 1
+        """Whether the last GroupNorm + ReLU and the 1x1x1 head run as one (UNet3d._fuse_head): asked
+        for, our rungs, the head not on vendor, the last level kept, volumes not split."""
+        return (self.fuse_head and self.fused and not self.head_on_vendor and self.recompute == "off"
+                and self.depth_shards == 1)
 
     @property
     def levels(self) -> int:

@@ -39,9 +39,12 @@ class UNet3d(nn.Module):
         # Skips written with room for the decoder's half of their concat (_skip_rooms): the same values,
         # half the concat's copying. A plain attribute, outside the state dict; tests turn it off.
         self.skip_rooms = True
-        # The last GroupNorm + ReLU and the head fused (_fuse_head): the order of two sums differs from
-        # the separate ops'. A plain attribute, outside the state dict; tests turn it off.
-        self.fuse_head = True
+        # The last GroupNorm + ReLU and the head fused (_fuse_head; the order of two sums differs from the
+        # separate ops'). Off: on the H200 the fused kernels (1.47 ms at scale 7) are slower than the
+        # separate ops they replace (~1.0 ms), though the tail then keeps no normalized tensor (0.25
+        # GiB less at scale 7). A plain attribute, outside the state dict; docs/performance.md has the
+        # numbers.
+        self.fuse_head = False
 
     def set_recompute(self, mode) -> "UNet3d":
         """`off` or `blocks` (True/False too); the same bits either way. `blocks`: the stem's and each
