@@ -1,6 +1,6 @@
 """The step benchmark's breakdown sorts our kernels into the parts of the step they belong to."""
 from scaffold.bench.minibatch import category
-from scaffold.kernels import concat, groupnorm, seg_loss
+from scaffold.kernels import concat, groupnorm, norm_head, seg_loss
 
 
 def test_our_kernels_land_in_their_parts():
@@ -10,7 +10,21 @@ def test_our_kernels_land_in_their_parts():
     assert loss and all(category(k) == "loss" for k in loss)
     cat = [k for k in dir(concat) if k.endswith("_kernel")]
     assert cat and all(category(k) == "concat" for k in cat)
+    nh = [k for k in dir(norm_head) if k.startswith("_nh_") and k.endswith("_kernel")]
+    assert len(nh) == 4 and all(category(k) == "norm_head" for k in nh)
     # Vendor kernels as the profiler names them.
     assert category("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc") == "conv"
     assert category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimizer"
     assert category("void at::native::elementwise_kernel<128, 2, ...>") == "other"
+
+
+def test_the_fused_head_variant_builds_the_model_with_it():
+    import torch
+
+    from scaffold.bench.minibatch import build
+
+    plain, _, _ = build("ladder", 4, 8, torch.device("cpu"))
+    fused, _, cfg = build("ladder+fusedhead", 4, 8, torch.device("cpu"))
+    assert not plain.fuse_head and fused.fuse_head and cfg.model.recompute == "off"
+    both, _, cfg = build("ladder+recompute+fusedhead", 4, 8, torch.device("cpu"))
+    assert both.fuse_head and cfg.model.recompute == "blocks"

@@ -15,6 +15,8 @@ side by side in one process:
   compiled  the vendor model under torch.compile (what a user gets from stock PyTorch + compile), with
             torch's default Adam
   V+recompute  variant V with model.recompute=blocks (activations recomputed in the backward)
+  V+fusedhead  variant V with the last GroupNorm fused with the 1x1x1 head (UNet3d.fuse_head; off by
+            default, see scaffold.kernels.norm_head)
 Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with
 scaffold.bench.timing.measure (wall timer: CUDA events, one wait at the end); the table gives the median
 step time and the ratio to `vendor`.
@@ -39,6 +41,9 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
     cfg = Config(scale=scale)
     cfg.model.base_width = width
     cfg.model.recompute = "off"  # what each variant measures does not depend on the device's memory
+    fuse_head = variant.endswith("+fusedhead")
+    if fuse_head:
+        variant = variant[: -len("+fusedhead")]
     if variant.endswith("+recompute"):  # any variant with model.recompute=blocks
         cfg.model.recompute = "blocks"
         variant = variant[: -len("+recompute")]
@@ -48,6 +53,7 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
                               loss=rung)
     determinism.seed_all(0)
     model = UNet3d.from_config(cfg, n_classes).to(device)
+    model.fuse_head = fuse_head
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last_3d)
     net = torch.compile(model) if variant == "compiled" else model
