@@ -10,13 +10,19 @@ from scaffold.kernels.lib import ahead  # noqa: E402
 
 def test_inside_the_block_a_launch_is_a_warmup_and_outside_it_is_not(monkeypatch):
     """The wrapper hands Triton's own `warmup` flag through, forced on while a block is open, so a
-    launch compiles without running; outside a block launches run (the flag as given)."""
+    launch compiles without running; outside a block launches run (the flag as given). A launch on
+    another thread (the autograd engine runs the backward's on its own) is a warm-up too, submitted
+    to the block's compile mode, which that thread did not inherit."""
+    import threading
+
     from triton.runtime.jit import JITFunction
 
-    seen = []
+    seen, modes = [], []
+    var = ahead._mode_var()
 
     def fake_run(self, *args, grid, warmup, **kwargs):
         seen.append(warmup)
+        modes.append(var.get() if var is not None else None)
         return "kernel"
 
     monkeypatch.setattr(JITFunction, "run", fake_run)
@@ -42,9 +48,16 @@ def test_inside_the_block_a_launch_is_a_warmup_and_outside_it_is_not(monkeypatch
     with ahead.compile_ahead(threads=2) as on:
         assert on
         JITFunction.run(fn, grid=(1,), warmup=False)
+        other = threading.Thread(target=lambda: JITFunction.run(fn, grid=(1,), warmup=False))
+        other.start()
+        other.join(timeout=60)
+        block_mode = ahead._ACTIVE
     JITFunction.run(fn, grid=(1,), warmup=False)
     JITFunction.run(fn, grid=(1,), warmup=True)
-    assert seen == [True, False, True]
+    assert seen == [True, True, False, True]
+    assert isinstance(block_mode, Mode) and ahead._ACTIVE is None
+    if var is not None:  # each launch in the block saw the block's mode as Triton's active one
+        assert modes[:2] == [block_mode, block_mode] and modes[2:] == [None, None]
     # a kernel that fails to compile is left for its launch to fail (and the ladder to fall back)
     assert Mode.events == ["ignore_errors=True", "enter", "exit"]
 
@@ -55,7 +68,7 @@ def test_where_it_cannot_run_the_block_runs_its_work_as_usual(monkeypatch):
     with ahead.compile_ahead() as on:
         ran.append(on)
     assert ran == [False]
-    assert not ahead._DRY.get()
+    assert ahead._ACTIVE is None
 
 
 def test_not_under_the_interpreter(monkeypatch):
@@ -95,6 +108,66 @@ def test_a_kernel_compiled_ahead_is_not_run_then_runs_without_compiling(tmp_path
     torch.cuda.synchronize()
     assert torch.all(out == 3.0).item()
     assert len(compiled) == 2  # the launch found its kernel compiled
+
+
+@pytest.mark.gpu
+def test_a_backward_launch_in_the_block_compiles_on_the_pool_and_runs_nothing(tmp_path, monkeypatch):
+    """The backward's kernels launch on the autograd engine's device thread: in the block they compile
+    on the pool too (not one by one on that thread) and run nothing; after it they run compiled."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not ahead.available():
+        pytest.skip("this Triton has no asynchronous compile mode")
+    import threading
+
+    import triton.language as tl
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+    @triton.jit
+    def scale_by(x_ptr, out_ptr, value, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * value, mask=offs < n)
+
+    threads = []
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            threads.append(threading.current_thread() is threading.main_thread())
+            out = torch.zeros_like(g)
+            scale_by[(8,)](g, out, 2.0, g.numel(), BLOCK=128)
+            return out
+
+    from triton import compiler as triton_compiler
+
+    compiled, compilers = [], []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda *a, **k: compiled.append(1))
+    real_compile = triton_compiler.compile
+
+    def recording_compile(*args, **kwargs):  # the kernel is new: its first launch looks this up
+        compilers.append(threading.current_thread().name)
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(triton_compiler, "compile", recording_compile)
+    x = torch.ones(1000, device="cuda", requires_grad=True)
+    with ahead.compile_ahead(threads=4) as on:
+        assert on
+        Twice.apply(x).sum().backward()
+    torch.cuda.synchronize()
+    assert threads == [False]  # the autograd engine ran it on its own thread
+    assert torch.count_nonzero(x.grad).item() == 0  # nothing ran
+    assert len(compiled) == 1 and compilers == ["triton-compile_0"]  # on the pool
+    x.grad = None
+    Twice.apply(x).sum().backward()
+    torch.cuda.synchronize()
+    assert torch.all(x.grad == 2.0).item()
+    assert len(compiled) == 1  # the launch found its kernel compiled
 
 
 def test_the_compiler_threads_are_shared_between_the_processes_of_a_node(monkeypatch):

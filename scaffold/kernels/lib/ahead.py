@@ -8,6 +8,11 @@ asynchronous compile mode (`triton.runtime._async_compile.AsyncCompileMode`) and
 block waits for every compilation and installs the kernels in their caches, so the work run again for
 real finds them all compiled.
 
+While a block is open, every Triton launch in the process is a compilation, on whichever thread it
+runs: the backward's launches run on the autograd engine's device thread, which does not inherit the
+block's context, so the block's compile mode is process-wide and a launch on another thread enters it
+for its own call. The block is meant for start-up, where nothing else launches Triton kernels.
+
 What runs inside the block is throwaway: its Triton outputs are never written (buffers keep whatever
 memory they were given), so only shapes and dtypes may be trusted there. The vendor ops run as usual.
 The trainer runs its first warm-up step this way, on the warm-up's copy of the model, then its usual
@@ -19,12 +24,13 @@ block runs its work as usual: one kernel at a time, same result, no gain.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
-_DRY: contextvars.ContextVar[bool] = contextvars.ContextVar("scaffold_compile_ahead", default=False)
+_ACTIVE: Optional[Any] = None  # the open block's compile mode: seen by every thread's launches
+_LOCK = threading.Lock()  # one block at a time in the process
 _PATCHED = False
 
 
@@ -49,9 +55,19 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
+def _mode_var():
+    """Triton's context variable naming the compile mode a launch submits to (None if it has none)."""
+    try:
+        from triton.runtime._async_compile import active_mode
+    except Exception:  # noqa: BLE001 - older Triton, or no Triton
+        return None
+    return active_mode
+
+
 def _patch() -> None:
-    """Wrap JITFunction.run once: while a compile-ahead block is open in this context, a launch is a
-    warm-up (Triton's own flag: compile for these arguments, launch nothing)."""
+    """Wrap JITFunction.run once: while a compile-ahead block is open, a launch on any thread is a
+    warm-up (Triton's own flag: compile for these arguments, launch nothing) submitted to the block's
+    compile mode."""
     global _PATCHED
     if _PATCHED:
         return
@@ -60,7 +76,17 @@ def _patch() -> None:
     run = JITFunction.run
 
     def run_or_compile(self, *args, grid, warmup, **kwargs):
-        return run(self, *args, grid=grid, warmup=warmup or _DRY.get(), **kwargs)
+        mode = _ACTIVE
+        if mode is None:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        var = _mode_var()
+        if var is None or var.get() is mode:
+            return run(self, *args, grid=grid, warmup=True, **kwargs)
+        token = var.set(mode)  # a thread the block did not open (the autograd engine's)
+        try:
+            return run(self, *args, grid=grid, warmup=True, **kwargs)
+        finally:
+            var.reset(token)
 
     run_or_compile.__wrapped__ = run
     JITFunction.run = run_or_compile
@@ -86,19 +112,21 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
     """Yields whether launches in the block only compile (see the module's docstring); on leaving,
     every compilation has finished. A kernel whose compilation fails is left out of the cache, so its
     first real launch fails as it would have without this block (and the ladder falls back from it)."""
+    global _ACTIVE
     if not available():
         yield False
         return
     _patch()
     mode_cls = _async_mode()
-    with ThreadPoolExecutor(max_workers=threads or workers(), thread_name_prefix="triton-compile") as pool:
+    with _LOCK, ThreadPoolExecutor(max_workers=threads or workers(),
+                                   thread_name_prefix="triton-compile") as pool:
         try:  # a kernel that fails to compile is left uncompiled: its launch fails as it would have
             mode = mode_cls(pool, ignore_errors=True)
         except TypeError:  # a Triton whose mode has no such option: its error surfaces on leaving
             mode = mode_cls(pool)
-        token = _DRY.set(True)
-        try:
-            with mode:  # its exit waits for every compilation and installs the kernels
+        with mode:  # its exit waits for every compilation and installs the kernels
+            _ACTIVE = mode
+            try:
                 yield True
-        finally:
-            _DRY.reset(token)
+            finally:
+                _ACTIVE = None
