@@ -6,9 +6,10 @@ read twice, and reads y again for the head's weight gradient. Here y and dy neve
 forward: the GroupNorm's statistics (its own two launches), then per tile y = ReLU(GroupNorm(x)), rounded
   to the head's compute dtype as the separate ops would store it, and the K logits Σ_c y·W[k, c] + bias;
 backward, from the logits' gradient dl (K channels, a tenth of C's bytes): per (sample, split) dy = dl·W
-  (rounded as a stored dy would be), the GroupNorm's sums of g and g·x̂ (g = dy where y passed the ReLU),
-  the head's weight and bias gradient partials Σ dl·y and Σ dl; those merged in a fixed order (the
-  GroupNorm's combine, and one for the head); then per tile dx from the same dy recomputed.
+  (one dot over the classes, rounded as a stored dy would be), the GroupNorm's sums of g and g·x̂
+  (g = dy where y passed the ReLU), the head's weight and bias gradient partials Σ dl·y and Σ dl; those
+  merged in a fixed order (the GroupNorm's combine, and one for the head); then per tile dx from the
+  same dy recomputed (same tile, same warps, so the same dot instruction and the same bits).
 x and y are read as [N, S, C] through their strides (NDHWC or NCDHW). Every sum runs in a fixed order and
 nothing is atomic, and the three tile kernels compile without floating-point contraction, so y and dy come
 out the same bits wherever they are recomputed: bitwise reproducible. Not the separate ops' bits: the
@@ -35,6 +36,12 @@ from .lib.splits import chunk_range
 
 MAX_CLASSES = 16  # the head's K: the kernels unroll over it
 MAX_HEAD_CHANNELS = 256  # the head's C: one tile row holds all of a voxel's channels
+# The backward's tile, the same in both of its passes (each recomputes dy with a dot, and one shape
+# and one number of warps give one instruction, so the same bits): rows × C of about BWD_TILE
+# elements on BWD_WARPS warps, at least 16 rows (a dot's). Few elements per thread keep the
+# registers low enough for several programs per SM (the passes are latency-bound, not
+# bandwidth-bound: sm90 compile at C = 64, 128 registers in the partials pass, 80 in dx).
+BWD_TILE, BWD_WARPS, BWD_REDUCE_EACH = 2048, 4, True
 _NO_FUSION = dict(enable_fp_fusion=False)
 
 
@@ -50,20 +57,17 @@ def _normalized(x, mean, rstd, w, b, Y_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _head_dy(lbase, s0, end, l_ss, l_sc, hw_ptr, C, K, Y_DTYPE: tl.constexpr, BLOCK_S: tl.constexpr,
-             BLOCK_C: tl.constexpr):
-    """dy = Σ_k dl[:, k]·W[k, :] over the K classes in order (elementwise fp32, so every kernel that
-    recomputes it gets the same bits), rounded to Y_DTYPE as the head's stored input gradient would be;
-    fp32. Rows past `end` come out zero."""
-    rows = s0 + tl.arange(0, BLOCK_S)
+def _head_dy(dl, hw_ptr, C, K, Y_DTYPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+             BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """dy = dl·W for a [BLOCK_S, BLOCK_K] tile of the logits' gradient (zero past K and past the
+    tile's rows): one dot over the classes with fp32 accumulation, rounded to Y_DTYPE as the head's
+    stored input gradient would be; fp32. Both kernels that recompute it run it on the same tile
+    shape and warps, so they get the same bits."""
+    ks = tl.arange(0, BLOCK_K)
     cols = tl.arange(0, BLOCK_C)
-    rmask = rows < end
-    lrow = lbase + rows.to(tl.int64) * l_ss
-    dy = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
-    for k in range(0, K):
-        dlk = to_f32(tl.load(lrow + k * l_sc, mask=rmask, other=0.0))
-        wk = to_f32(tl.load(hw_ptr + k * C + cols, mask=cols < C, other=0.0))
-        dy += dlk[:, None] * wk[None, :]
+    w = tl.load(hw_ptr + ks[:, None] * C + cols[None, :], mask=(ks < K)[:, None] & (cols < C)[None, :],
+                other=0.0)
+    dy = mma(dl, w.to(dl.dtype), tl.zeros([dl.shape[0], BLOCK_C], tl.float32), PRECISION, UPCAST)
     return to_f32(cast_rne(dy, Y_DTYPE))
 
 
@@ -98,9 +102,12 @@ def _nh_bwd_partials_kernel(x_ptr, dl_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_
                             pb_ptr, S, C, G, CG, K, chunk, splits, x_sn, x_ss, x_sc, l_sn, l_ss, l_sc,
                             HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                             PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                            BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+                            REDUCE_EACH: tl.constexpr):
     """Per (sample, split), grid (N, splits): each channel's Σ g and Σ g·x̂ (the GroupNorm's), and the
-    head's Σ dl[k]·y[c] (a dot) and Σ dl[k], over the split's voxels."""
+    head's Σ dl[k]·y[c] (a dot) and Σ dl[k], over the split's voxels. REDUCE_EACH sums each tile over
+    its rows before adding it (per-channel accumulators, fewer registers), else the tiles are added
+    elementwise and summed over rows at the end: a fixed order either way."""
     n = tl.program_id(0)
     split = tl.program_id(1)
     start, end = chunk_range(split, chunk, S)
@@ -108,9 +115,14 @@ def _nh_bwd_partials_kernel(x_ptr, dl_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_
     xbase = x_ptr + n.to(tl.int64) * x_sn
     lbase = dl_ptr + n.to(tl.int64) * l_sn
     ks = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
-    acc_gx = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
-    acc_b = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
+    if REDUCE_EACH:
+        acc_g = tl.zeros([BLOCK_C], tl.float32)
+        acc_gx = tl.zeros([BLOCK_C], tl.float32)
+        acc_b = tl.zeros([BLOCK_K], tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+        acc_gx = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+        acc_b = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
     acc_w = tl.zeros([BLOCK_K, BLOCK_C], tl.float32)
     for s0 in range(start, end, BLOCK_S):
         xp, mask = _tile_ptrs(xbase, s0, end, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
@@ -118,19 +130,27 @@ def _nh_bwd_partials_kernel(x_ptr, dl_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_
         x = to_f32(tl.load(xp, mask=mask, other=0.0))
         dl = tl.load(lp, mask=lmask, other=0.0)  # rows past the split: dl = 0, so they add 0
         y = _normalized(x, mean, rstd, w, b, dl_ptr.dtype.element_ty)
-        dy = _head_dy(lbase, s0, end, l_ss, l_sc, hw_ptr, C, K, dl_ptr.dtype.element_ty, BLOCK_S, BLOCK_C)
+        dy = _head_dy(dl, hw_ptr, C, K, dl_ptr.dtype.element_ty, PRECISION, UPCAST, BLOCK_C, BLOCK_K)
         xhat, g = _masked_grad(x, dy, mean, rstd, w, b, True)
-        acc_g += g
-        acc_gx += g * xhat
-        acc_b += to_f32(dl)
+        if REDUCE_EACH:
+            acc_g += tl.sum(g, axis=0)
+            acc_gx += tl.sum(g * xhat, axis=0)
+            acc_b += tl.sum(to_f32(dl), axis=0)
+        else:
+            acc_g += g
+            acc_gx += g * xhat
+            acc_b += to_f32(dl)
         acc_w = mma(tl.trans(dl), y, acc_w, PRECISION, UPCAST)
-    _store_partials(pg_ptr, pgx_ptr, tl.sum(acc_g, axis=0), tl.sum(acc_gx, axis=0), n, split, splits, C,
-                    BLOCK_C)
+    if not REDUCE_EACH:
+        acc_g = tl.sum(acc_g, axis=0)
+        acc_gx = tl.sum(acc_gx, axis=0)
+        acc_b = tl.sum(acc_b, axis=0)
+    _store_partials(pg_ptr, pgx_ptr, acc_g, acc_gx, n, split, splits, C, BLOCK_C)
     row = n * splits + split
     cols = tl.arange(0, BLOCK_C)
     tl.store(pw_ptr + (row * K + ks[:, None]) * C + cols[None, :], acc_w,
              mask=(ks < K)[:, None] & (cols < C)[None, :])
-    tl.store(pb_ptr + row * K + ks, tl.sum(acc_b, axis=0), mask=ks < K)
+    tl.store(pb_ptr + row * K + ks, acc_b, mask=ks < K)
 
 
 @triton.jit
@@ -162,7 +182,8 @@ def _nh_head_grads_kernel(pw_ptr, pb_ptr, dw_ptr, db_ptr, rows, K, C, HAS_HB: tl
 def _nh_bwd_dx_kernel(x_ptr, dl_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_ptr, c1_ptr, c2_ptr,
                       S, C, G, CG, K, x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, o_sn, o_ss, o_sc,
                       HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                      BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
     """dx = rstd·(g·w − c1 − x̂·c2) over one [BLOCK_S, C] tile, dy recomputed from dl."""
     s0 = tl.program_id(0) * BLOCK_S
     n = tl.program_id(1)
@@ -174,9 +195,10 @@ def _nh_bwd_dx_kernel(x_ptr, dl_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, h
     n64 = n.to(tl.int64)
     xp, mask = _tile_ptrs(x_ptr + n64 * x_sn, s0, S, C, x_ss, x_sc, BLOCK_S, BLOCK_C)
     op, _ = _tile_ptrs(dx_ptr + n64 * o_sn, s0, S, C, o_ss, o_sc, BLOCK_S, BLOCK_C)
+    lp, lmask = _tile_ptrs(dl_ptr + n64 * l_sn, s0, S, K, l_ss, l_sc, BLOCK_S, BLOCK_K)
     x = to_f32(tl.load(xp, mask=mask, other=0.0))
-    dy = _head_dy(dl_ptr + n64 * l_sn, s0, S, l_ss, l_sc, hw_ptr, C, K, dl_ptr.dtype.element_ty, BLOCK_S,
-                  BLOCK_C)
+    dy = _head_dy(tl.load(lp, mask=lmask, other=0.0), hw_ptr, C, K, dl_ptr.dtype.element_ty, PRECISION,
+                  UPCAST, BLOCK_C, BLOCK_K)
     xhat, g = _masked_grad(x, dy, mean, rstd, w, b, True)
     dx = rstd[None, :] * (g * w[None, :] - c1[None, :] - xhat * c2[None, :])
     tl.store(op, cast_rne(dx, dx_ptr.dtype.element_ty), mask=mask)
@@ -257,14 +279,16 @@ def backward(dl: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], 
     dhw = torch.empty((K, C), dtype=head_weight.dtype, device=x.device)
     dhb = torch.empty((K,), dtype=(head_bias if head_bias is not None else head_weight).dtype, device=x.device)
     w, b = _dummy(weight, mean), _dummy(bias, mean)
-    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None)
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, **dot_mode(dl))
+    # Both passes recompute dy with a dot: the same tile and warps give the same instruction, so the
+    # same bits in both.
+    block_s = max(16, BWD_TILE // block_c)
+    tile = dict(BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=BWD_WARPS, **_NO_FUSION)
     _nh_bwd_partials_kernel[(N, plan.splits)](
         x, dl, mean, rstd, w, b, hw, pg, pgx, pw, pb, S, C, G, C // G, K, plan.chunk, plan.splits,
-        x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, **flags, **dot_mode(dl),
-        BLOCK_S=max(16, plan.block_s), BLOCK_C=block_c, BLOCK_K=block_k, num_warps=plan.num_warps,
-        **_NO_FUSION)
+        x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, **flags, **tile, REDUCE_EACH=BWD_REDUCE_EACH)
     _gn_bwd_combine_kernel[(N, G)](
-        pg, pgx, w, sg, sgx, c1, c2, S, C, G, C // G, plan.splits, HAS_W=weight is not None,
+        pg, pgx, w, sg, sgx, c1, c2, S, C, G, C // G, plan.splits, HAS_W=flags["HAS_W"],
         BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
     block = min(1024, next_pow2(C))
     _gn_sum_over_batch_kernel[(cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
@@ -272,10 +296,9 @@ def backward(dl: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], 
     _nh_head_grads_kernel[(cdiv(K * C, hblock),)](pw, pb, dhw, dhb, N * plan.splits, K, C,
                                                    HAS_HB=head_bias is not None, BLOCK_R=64, BLOCK=hblock,
                                                    num_warps=4)
-    _nh_bwd_dx_kernel[(plan.tiles, N)](
+    _nh_bwd_dx_kernel[(cdiv(S, block_s), N)](
         x, dl, dx, mean, rstd, w, b, hw, c1, c2, S, C, G, C // G, K,
-        x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, *nsc_strides(dx), **flags,
-        BLOCK_S=plan.ew_block_s, BLOCK_C=plan.block_c, num_warps=plan.ew_warps, **_NO_FUSION)
+        x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, *nsc_strides(dx), **flags, **tile)
     return dx, dw, db, dhw.view(head_weight.shape), dhb
 
 
