@@ -18,13 +18,13 @@ def test_our_kernels_land_in_their_parts():
     assert category("void at::native::elementwise_kernel<128, 2, ...>") == "other"
 
 
-def test_the_fused_head_variant_builds_the_model_with_it():
+def test_the_separate_head_variant_builds_the_model_without_the_fusion():
     import torch
 
     from scaffold.bench.minibatch import build
 
-    plain, _, _ = build("ladder", 4, 8, torch.device("cpu"))
-    fused, _, cfg = build("ladder+fusedhead", 4, 8, torch.device("cpu"))
-    assert not plain.fuse_head and fused.fuse_head and cfg.model.recompute == "off"
-    both, _, cfg = build("ladder+recompute+fusedhead", 4, 8, torch.device("cpu"))
-    assert both.fuse_head and cfg.model.recompute == "blocks"
+    fused, _, _ = build("ladder", 4, 8, torch.device("cpu"))
+    apart, _, cfg = build("ladder+separatehead", 4, 8, torch.device("cpu"))
+    assert fused.fuse_head and not apart.fuse_head and cfg.model.recompute == "off"
+    both, _, cfg = build("ladder+recompute+separatehead", 4, 8, torch.device("cpu"))
+    assert not both.fuse_head and cfg.model.recompute == "blocks"

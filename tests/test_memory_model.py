@@ -146,14 +146,14 @@ def test_the_saved_bytes_of_our_rungs_are_what_autograd_saves(recompute, head):
     saved = _saved_bytes(3, recompute, False, ladder=ladder, head=head)
     s = StepShape(3, 2, 8, 4, 3, 4, 2, False, "cpu", True, recompute, False, fuse_head=True,
                   head_on_vendor=head == "vendor")
-    assert s.fused_head == (head == "triton" and recompute == "off")
+    assert s.fused_head == (head == "triton")
     assert saved == walk(s).saved + 4 * 4  # the class weights
 
 
 def test_the_recompute_line_gives_the_eager_need_where_a_graph_would_not_fit(tmp_path):
     """Scale 9 on a 140 GiB device under cuda_graph=auto: recompute as a CUDA graph does not fit but
-    eager steps do (the trainer falls back to them; measured peak 131.5 GiB), so the start-up line gives
-    both and calls the run tight, not unfit."""
+    eager steps do (the trainer falls back to them), so the start-up line gives both and does not call
+    the run unfit; on a device where the eager need passes the headroom, it calls it tight."""
     cfg = tiny_cfg(tmp_path, "model.recompute=auto", "scale=9", "model.bottleneck=3", "model.base_width=64",
                    "model.groups=8", "device=cuda", "data_placement=host")
     h200 = memory.DeviceMemory("cuda:0 (test)", int(139.3 * memory.GiB), int(139.8 * memory.GiB))
@@ -161,6 +161,10 @@ def test_the_recompute_line_gives_the_eager_need_where_a_graph_would_not_fit(tmp
     assert plan.mode == "blocks" and plan.blocks_eager is not None
     assert plan.blocks_eager.need < h200.free < plan.blocks.need
     line = plan.line()
+    assert "in eager steps" in line and "NOT to fit" not in line
+    free = int(plan.blocks_eager.need / (memory.HEADROOM + 1) * 2)  # the need halfway into the headroom
+    small = memory.DeviceMemory("cuda:0 (test)", free, free)
+    line = memory.plan_recompute(cfg, "cuda", 6, memory=small).line()
     assert "in eager steps" in line and "NOT to fit" not in line and "tight" in line
     # graphs off: one figure, no fallback to mention
     cfg.cuda_graph = "off"

@@ -85,7 +85,7 @@ def _unet(head_setting="triton"):
     model = UNet3d(3, bottleneck=1, base_width=4, groups=2, n_classes=3).to_device(DEV)
     set_ladder(model, LadderConfig(pool="triton", group_norm="triton", concat="triton"))
     model.outc.ladder_setting = head_setting
-    model.fuse_head = True  # off by default (slower on the H200 than the separate ops, see UNet3d)
+    assert model.fuse_head  # on by default
     return model
 
 
@@ -116,28 +116,45 @@ def test_the_unet_fuses_its_head_with_the_same_values_as_apart(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_no_fusion_by_default_where_a_rung_says_vendor_or_the_level_recomputes(monkeypatch):
-    from scaffold.model.unet import UNet3d
-
+def test_no_fusion_when_turned_off_or_where_a_rung_says_vendor(monkeypatch):
     calls = []
     real = NH.norm_head
     monkeypatch.setattr(NH, "norm_head", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(5)).to(DEV)
     model = _unet()
-    model.fuse_head = UNet3d(3, bottleneck=1).fuse_head  # the default: off
+    model.fuse_head = False
     _step(model, x)
     model = _unet(head_setting="vendor")  # the head forced to vendor
     _step(model, x)
     model = _unet()
     model.ups[-1].conv.norm2.ladder_setting = "vendor"  # the norm forced to vendor
     _step(model, x)
+    assert calls == []
+
+
+@pytest.mark.parametrize("level_whole", [False, True], ids=["convs", "whole-level"])
+def test_a_recomputed_last_level_recomputes_the_fused_op_with_the_same_bits(monkeypatch, level_whole):
+    """model.recompute=blocks gives the bits of the kept model (its guarantee), the head fused in both:
+    the full-resolution block recomputes one conv + norm at a time (the fused op in the second
+    segment), or, forced here, the whole level as one segment."""
+    calls = []
+    real = NH.norm_head
+    monkeypatch.setattr(NH, "norm_head", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(5)).to(DEV)
+    kept = _step(_unet(), x)
     model = _unet()
     model.set_recompute("blocks")
-    _step(model, x)
-    assert calls == []
-    with torch.no_grad():  # without autograd nothing recomputes: fused
+    if level_whole:
+        model.ups[-1].recompute = True
+        model.ups[-1].conv.recompute = ""
+    assert model.ups[-1].conv.recompute == ("" if level_whole else "convs")
+    again = _step(model, x)
+    assert len(calls) == 3  # kept once; recomputed: its forward and the backward's recompute
+    assert torch.equal(kept[0], again[0])
+    assert all(torch.equal(a, b) for a, b in zip(kept[1], again[1]))
+    with torch.no_grad():  # evaluation fuses too
         model(x)
-    assert calls == [1]
+    assert len(calls) == 4
 
 
 def test_a_failing_fused_kernel_falls_back_to_the_separate_ops_for_good(monkeypatch):

@@ -19,11 +19,12 @@ from scaffold.model.memory import GiB, StepShape, estimate
 
 
 def predicted(variant: str, scale: int, width: int, device: str) -> float:
-    mode = "blocks" if variant.endswith("+recompute") else "off"
+    mode = "blocks" if "+recompute" in variant else "off"
     graph = variant.split("+")[0] == "graphed"
     cuda = device == "cuda"
     shape = StepShape(scale, base_width=width, amp=cuda, device=device, fused=cuda, recompute=mode,
-                      graph=graph, data_bytes=4 * 8**scale, ask_copies=cuda)
+                      graph=graph, data_bytes=4 * 8**scale, ask_copies=cuda,
+                      fuse_head="+separatehead" not in variant)
     return estimate(shape, evaluate=False).max_allocated / GiB
 
 

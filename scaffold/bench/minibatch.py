@@ -15,8 +15,8 @@ side by side in one process:
   compiled  the vendor model under torch.compile (what a user gets from stock PyTorch + compile), with
             torch's default Adam
   V+recompute  variant V with model.recompute=blocks (activations recomputed in the backward)
-  V+fusedhead  variant V with the last GroupNorm fused with the 1x1x1 head (UNet3d.fuse_head; off by
-            default, see scaffold.kernels.norm_head)
+  V+separatehead  variant V with the last GroupNorm + ReLU and the 1x1x1 head run apart (UNet3d.fuse_head
+            off; fused by default where the rungs allow, see scaffold.kernels.norm_head)
 Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with
 scaffold.bench.timing.measure (wall timer: CUDA events, one wait at the end); the table gives the median
 step time and the ratio to `vendor`.
@@ -41,9 +41,9 @@ def build(variant: str, scale: int, width: int, device: torch.device, n_classes:
     cfg = Config(scale=scale)
     cfg.model.base_width = width
     cfg.model.recompute = "off"  # what each variant measures does not depend on the device's memory
-    fuse_head = variant.endswith("+fusedhead")
-    if fuse_head:
-        variant = variant[: -len("+fusedhead")]
+    fuse_head = not variant.endswith("+separatehead")
+    if not fuse_head:
+        variant = variant[: -len("+separatehead")]
     if variant.endswith("+recompute"):  # any variant with model.recompute=blocks
         cfg.model.recompute = "blocks"
         variant = variant[: -len("+recompute")]

@@ -11,6 +11,8 @@ Up = 2×2×2 transposed conv halving the width + concat [skip, up] + DoubleConv 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -64,14 +66,13 @@ class DoubleConv(nn.Module):
     def forward(self, x: torch.Tensor, room: int = 0, head=None) -> torch.Tensor:
         """`room`: channels of room the output leaves after it for the concat that reads it as a skip
         (FastGroupNorm); `head`: a 1×1×1 conv site applied to the output, fused with the last norm where
-        it can be (FastGroupNorm.with_head): the block then returns head(output). Kept blocks only."""
+        it can be (FastGroupNorm.with_head): the block then returns head(output), recomputed or not."""
         if self.recompute == KEEP or not torch.is_grad_enabled():  # evaluation saves nothing anyway
             return self._both(x, room, head)
-        if head is not None:
-            raise ValueError("DoubleConv: a fused head needs a block that is kept, not recomputed")
+        # (a recomputed block leaves no room: its segment owns its tensors)
         if self.recompute == BLOCK:
-            return recomputed(self._both, x)
-        return recomputed(self._second, recomputed(self._first, x))
+            return recomputed(functools.partial(self._both, head=head), x)
+        return recomputed(functools.partial(self._second, head=head), recomputed(self._first, x))
 
 
 class Down(nn.Module):
@@ -125,7 +126,5 @@ class Up(nn.Module):
         """`into_room`: the skip was made with room for this level's upsampled half (FastConcat);
         `head`: as DoubleConv's (the level then returns head(output))."""
         if self.recompute and torch.is_grad_enabled():
-            if head is not None:
-                raise ValueError("Up: a fused head needs a level that is kept, not recomputed")
-            return recomputed(self._level, x, skip)
+            return recomputed(functools.partial(self._level, head=head), x, skip)
         return self._level(x, skip, into_room, head)

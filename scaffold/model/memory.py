@@ -74,7 +74,7 @@ class StepShape:
     depth_shards: int = 1  # D split over this many devices (scaffold.spatial): each holds all the
     # parameters, a D-slab of every volume and of each split level's activations (a level is split
     # while its edge has at least one plane per shard; deeper levels run whole on every shard)
-    fuse_head: bool = False  # the model fuses its last GroupNorm with the head (UNet3d.fuse_head)
+    fuse_head: bool = True  # the model fuses its last GroupNorm with the head (UNet3d.fuse_head)
     head_on_vendor: bool = False  # the 1x1x1 head forced to vendor (ladder.conv=vendor): not fused
 
     @property
@@ -90,11 +90,16 @@ class StepShape:
         return self.fused and self.recompute == "off" and self.depth_shards == 1
 
     @property
+    def head_to_block(self) -> bool:
+        """Whether the U-Net hands its head to the last block (UNet3d._fuse_head): asked for, volumes
+        not split. The block runs it fused (fused_head) or apart."""
+        return self.fuse_head and self.depth_shards == 1
+
+    @property
     def fused_head(self) -> bool:
         """Whether the last GroupNorm + ReLU and the 1x1x1 head run as one (UNet3d._fuse_head): asked
-        for, our rungs, the head not on vendor, the last level kept, volumes not split."""
-        return (self.fuse_head and self.fused and not self.head_on_vendor and self.recompute == "off"
-                and self.depth_shards == 1)
+        for, our rungs, the head not on vendor, volumes not split (recomputed or not)."""
+        return self.fuse_head and self.fused and not self.head_on_vendor and self.depth_shards == 1
 
     @property
     def levels(self) -> int:
@@ -311,17 +316,23 @@ class _Builder:
         self.segment = None
 
     def double_conv(self, x: _T, cin: int, cout: int, level: int, mode: str = "",
-                    cast_input: bool = False, room: int = 0, head: bool = False) -> _T:
+                    cast_input: bool = False, room: int = 0, head: str = "") -> _T:
         """mode as DoubleConv.recompute: "" keeps, "block" recomputes both convs as one segment,
         "convs" each conv + norm as its own. `room`: as DoubleConv's, for the output; `head`: the
-        second norm fused with the 1x1x1 head, which the block then returns (the logits)."""
+        block also applies the 1x1x1 head and returns the logits, "fused" with the second norm or
+        "apart" (the separate ops, inside the block's segment when it recomputes)."""
         self.begin(mode != "")
         h = self.norm(self.conv(x, cin, cout, level, cast_input=cast_input), cout, level)
         if mode == "convs":
             self.end()
             self.begin(True)
         h = self.conv(h, cout, cout, level)
-        y = self.norm_head(h, cout) if head else self.norm(h, cout, level, room)
+        if head == "fused":
+            y = self.norm_head(h, cout)
+        else:
+            y = self.norm(h, cout, level, room)
+            if head == "apart":
+                y = self.conv(y, cout, self.s.n_classes, 0, taps=1, bias=True)
         if mode != "":
             self.end()
         return y
@@ -372,12 +383,14 @@ def _step_ops(s: StepShape) -> tuple[list[_Op], set, _T, _T]:
         b.begin(whole)
         up = b.conv_transpose(h, widths[level + 1], widths[level], level)
         cat = b.concat(skips.pop(), up, widths[level + 1], level)
-        head = s.fused_head and level == 0
+        # The U-Net hands the head to its last block (UNet3d._fuse_head), which fuses it with its last
+        # norm where the rungs allow, else runs it apart, inside the block's recompute segment if any.
+        head = "" if level > 0 or not s.head_to_block else "fused" if s.fused_head else "apart"
         h = b.double_conv(cat, widths[level + 1], widths[level], level, "convs" if on and level == 0 else "",
                           head=head)
         if whole:
             b.end()
-    logits = h if s.fused_head else b.conv(h, widths[0], s.n_classes, 0, taps=1, bias=True)
+    logits = h if s.head_to_block else b.conv(h, widths[0], s.n_classes, 0, taps=1, bias=True)
     b.loss(logits, labels)
     return b.ops, {x, logits, labels}, x, logits
 

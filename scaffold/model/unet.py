@@ -40,11 +40,10 @@ class UNet3d(nn.Module):
         # half the concat's copying. A plain attribute, outside the state dict; tests turn it off.
         self.skip_rooms = True
         # The last GroupNorm + ReLU and the head fused (_fuse_head; the order of two sums differs from the
-        # separate ops'). Off: on the H200 the fused kernels (1.47 ms at scale 7) are slower than the
-        # separate ops they replace (~1.0 ms), though the tail then keeps no normalized tensor (0.25
-        # GiB less at scale 7). A plain attribute, outside the state dict; docs/performance.md has the
-        # numbers.
-        self.fuse_head = False
+        # separate ops'): on the H200 its kernels take ~0.7 ms of the scale-7 step where the separate ops
+        # take ~1.2, and the tail keeps no normalized tensor (0.25 GiB less at scale 7). A plain
+        # attribute, outside the state dict; tests and bench.minibatch's +separatehead turn it off.
+        self.fuse_head = True
 
     def set_recompute(self, mode) -> "UNet3d":
         """`off` or `blocks` (True/False too); the same bits either way. `blocks`: the stem's and each
@@ -110,10 +109,10 @@ class UNet3d(nn.Module):
 
     def _fuse_head(self, shards) -> bool:
         """Whether the last GroupNorm + ReLU and the 1×1×1 head may run as one (FastGroupNorm.with_head,
-        which still runs them apart where a rung says so): not where the last level recomputes, under
-        spatial shards, under torch.compile, or when `fuse_head` is off."""
-        return (self.fuse_head and (self.recompute == "off" or not torch.is_grad_enabled())
-                and shards is None and not torch.compiler.is_compiling())
+        which still runs them apart where a rung says so): not under spatial shards, under torch.compile,
+        or when `fuse_head` is off. A recomputed last level recomputes the fused op (the same bits as
+        kept)."""
+        return self.fuse_head and shards is None and not torch.compiler.is_compiling()
 
     def _skip_rooms(self, shards) -> list[int]:
         """Per level (0 = the stem), the channels of room its skip leaves for the decoder's upsampled
