@@ -118,7 +118,9 @@ def test_training_on_routed_convs_gives_the_same_bits_twice(cache, tmp_path, mon
     deterministic cuDNN per shape. Two runs give the same bits, and every site ran routed."""
     monkeypatch.setattr("scaffold.model.routes.lookup", _mixed_route)
     census = _train_twice_same_bits(cache, tmp_path, [a for a in TRITON_CONVS if not a.startswith("ladder.")])
-    assert census["conv"] == {"routed": 11} and census["conv_transpose"] == {"routed": 2}, census
+    # (the 1x1x1 head runs fused with the last GroupNorm, a Triton kernel: scaffold.kernels.norm_head)
+    assert census["conv"] == {"routed": 10, "triton": 1} and census["conv_transpose"] == {"routed": 2}, census
+    assert census["modules"]["outc"] == "triton"
     assert census["fallbacks"] == []
 
 
