@@ -62,6 +62,32 @@ def test_inside_the_block_a_launch_is_a_warmup_and_outside_it_is_not(monkeypatch
     assert Mode.events == ["ignore_errors=True", "enter", "exit"]
 
 
+def test_a_block_opened_inside_a_block_raises_instead_of_waiting(monkeypatch):
+    """The process-wide lock must not turn a nested block into a hang: Triton's mode refuses it."""
+    if ahead._async_mode() is None:
+        pytest.skip("this Triton has no asynchronous compile mode")
+    monkeypatch.setattr(ahead, "available", lambda: True)
+    import threading
+
+    monkeypatch.setattr(ahead, "_PATCHED", True)  # no launch here: leave JITFunction.run as it is
+    raised = []
+
+    def nested():  # on a thread of its own, so that a hang fails the test instead of stalling it
+        with ahead.compile_ahead(threads=1):
+            try:
+                with ahead.compile_ahead(threads=1):
+                    pass
+            except RuntimeError as e:
+                raised.append(str(e))
+
+    worker = threading.Thread(target=nested, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the nested block hung"
+    assert len(raised) == 1 and "already active" in raised[0]
+    assert ahead._ACTIVE is None
+
+
 def test_where_it_cannot_run_the_block_runs_its_work_as_usual(monkeypatch):
     monkeypatch.setattr(ahead, "available", lambda: False)
     ran = []

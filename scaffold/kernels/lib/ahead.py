@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional
 
 _ACTIVE: Optional[Any] = None  # the open block's compile mode: seen by every thread's launches
-_LOCK = threading.Lock()  # one block at a time in the process
+_LOCK = threading.RLock()  # one block at a time in the process (a nested one raises, as Triton's mode does)
 _PATCHED = False
 
 
