@@ -231,3 +231,76 @@ def test_a_failure_to_compile_ahead_leaves_the_kernels_to_their_first_launch(cac
     assert any("compiling the kernels ahead failed (RuntimeError: compiler crashed)" in r.getMessage()
                for r in caplog.records)
     assert stable_rows(tmp_path / "ahead" / "train_stats.csv") == stable_rows(plain / "train_stats.csv")
+
+
+def test_the_pool_builds_each_compiled_kernels_launcher_and_a_failed_build_costs_nothing(monkeypatch):
+    """What Triton's compile mode submits runs on the pool, then the kernel's launcher is built there
+    too; a launcher that fails to build leaves the kernel as compiled (its first launch builds it); a
+    compilation that fails still fails (the mode leaves that kernel out)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    built = []
+
+    def build(kernel):
+        built.append((kernel, threading.current_thread().name))
+        if kernel == "broken launcher":
+            raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(ahead, "_build_launcher", build)
+
+    def broken_compile():
+        raise ValueError("does not compile")
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="triton-compile") as pool:
+        p = ahead._Pool(pool)
+        assert p.submit(lambda: "kernel").result(timeout=60) == "kernel"
+        assert p.submit(lambda: "broken launcher").result(timeout=60) == "broken launcher"
+        failed = p.submit(broken_compile)
+        with pytest.raises(ValueError, match="does not compile"):
+            failed.result(timeout=60)
+    assert [k for k, _ in built] == ["kernel", "broken launcher"]
+    assert all(name.startswith("triton-compile") for _, name in built)
+
+
+@pytest.mark.gpu
+def test_launchers_are_built_in_the_block_so_the_first_launch_builds_none(tmp_path, monkeypatch):
+    """On CUDA with a cold cache: every host launcher a C compiler builds (Triton <= 3.6) is built on
+    the pool inside the block; the launches after it build none."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not ahead.available():
+        pytest.skip("this Triton has no asynchronous compile mode")
+    import threading
+
+    import triton.language as tl
+    import triton.runtime.build as build
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    builds, phase = [], ["block"]
+    real = build._build
+
+    def counted(name, *args, **kwargs):
+        if name == "__triton_launcher":
+            builds.append((phase[0], threading.current_thread().name))
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(build, "_build", counted)
+
+    @triton.jit
+    def scale(x_ptr, out_ptr, factor, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * factor, mask=offs < n)
+
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    out = torch.zeros_like(x)
+    with ahead.compile_ahead(threads=4):
+        scale[(8,)](x, out, 2.0, 1000, BLOCK=128)
+        scale[(4,)](x, out, 2.0, 1000, BLOCK=256)
+    phase[0] = "after"
+    scale[(8,)](x, out, 2.0, 1000, BLOCK=128)
+    scale[(4,)](x, out, 2.0, 1000, BLOCK=256)
+    torch.cuda.synchronize()
+    assert torch.equal(out, 2.0 * x)
+    assert [p for p, _ in builds if p == "after"] == []
+    assert all(name.startswith("triton-compile") for _, name in builds)

@@ -18,6 +18,13 @@ memory they were given), so only shapes and dtypes may be trusted there. The ven
 The trainer runs its first warm-up step this way, on the warm-up's copy of the model, then its usual
 steps.
 
+Each compilation on the pool also builds the kernel's host launcher. Triton up to 3.6 compiles one C
+module per launch signature with the system C compiler when the kernel first runs (`gcc -O3`, a
+fraction of a second each, on the launching thread, so one after another after the block); built on
+the pool, the launcher lands in Triton's cache beside the kernel and the first launch only loads it.
+Where Triton builds no launcher (later versions) this is a cheap no-op; if it fails, the first launch
+builds the launcher as it would have.
+
 Where Triton has no asynchronous compile mode (older than it), under the interpreter, or off CUDA, the
 block runs its work as usual: one kernel at a time, same result, no gain.
 """
@@ -93,6 +100,33 @@ def _patch() -> None:
     _PATCHED = True
 
 
+def _build_launcher(kernel) -> None:
+    """Build (or find in the cache) the host launcher of a compiled kernel; the object is dropped."""
+    from triton.runtime import driver
+
+    driver.active.launcher_cls(kernel.src, kernel.metadata)
+
+
+def _with_launcher(compile_fn):
+    """compile_fn's kernel, its host launcher built (see the module's docstring) where that works."""
+    kernel = compile_fn()
+    try:
+        _build_launcher(kernel)
+    except Exception:  # noqa: BLE001 - the first launch builds it as it would have
+        pass
+    return kernel
+
+
+class _Pool:
+    """The executor Triton's compile mode submits to: each compilation also builds its launcher."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool = pool
+
+    def submit(self, compile_fn):
+        return self.pool.submit(_with_launcher, compile_fn)
+
+
 def workers() -> int:
     """Compiler threads: the CPUs this process may use, shared with the other processes torchrun
     started on this node (LOCAL_WORLD_SIZE), at most 32."""
@@ -121,9 +155,9 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
     with _LOCK, ThreadPoolExecutor(max_workers=threads or workers(),
                                    thread_name_prefix="triton-compile") as pool:
         try:  # a kernel that fails to compile is left uncompiled: its launch fails as it would have
-            mode = mode_cls(pool, ignore_errors=True)
+            mode = mode_cls(_Pool(pool), ignore_errors=True)
         except TypeError:  # a Triton whose mode has no such option: its error surfaces on leaving
-            mode = mode_cls(pool)
+            mode = mode_cls(_Pool(pool))
         with mode:  # its exit waits for every compilation and installs the kernels
             _ACTIVE = mode
             try:
