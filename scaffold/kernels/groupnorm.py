@@ -304,9 +304,11 @@ TILE_TABLE: dict[tuple[str, str, str], NormTile] = {
     # and fewer splits (512@16³ fwd+bwd 0.089 -> 0.056 ms; 2048@8³ 0.076 -> 0.051).
     # Split loops (`--loops`, same bits): the backward's 3 stages deep at C <= 256 (64@256³
     # bwd 2.823 -> 2.565 ms, 128@128³ 0.706 -> 0.632, 64@128³ 0.379 -> 0.343); the forward's too
-    # at 256 channels (256@64³ 0.149 -> 0.124), the compiler's loop at C <= 128 (64@256³: 1.628
-    # against 1.71-1.82 ms for every other option).
-    ("sm90", "bf16", "narrow"): NormTile(4096, 8, 4, 4096, 4, bwd_stages=3),
+    # at 256 channels (256@64³ 0.149 -> 0.124). At C <= 128 the forward's loop took the compiler's
+    # choice until 2026-12-04, when 3 stages measured faster at every narrow size (forward, same
+    # bits): 64@256³ 1.627 -> 1.524 ms, 128@128³ 0.429 -> 0.405, 64@128³ 0.223 -> 0.210,
+    # 128@64³ 0.0755 -> 0.0709, 32@128³ 0.120 -> 0.113 (2 stages in between, 4 slower).
+    ("sm90", "bf16", "narrow"): NormTile(4096, 8, 4, 4096, 4, fwd_stages=3, bwd_stages=3),
     ("sm90", "bf16", "mid"): NormTile(4096, 8, 2, 4096, 8, fwd_stages=3, bwd_stages=3),
     ("sm90", "bf16", "wide"): NormTile(16384, 16, 2, 4096, 8),
 }
