@@ -55,10 +55,13 @@ def all_reduce_sum(t: torch.Tensor, place: Place) -> torch.Tensor:
 
 
 def fingerprint(tensors) -> str:
-    """A short hash of tensors' bytes (read to the host: start-up checks only, never in a step)."""
+    """A short hash of tensors' values in logical order, whatever their memory layout (read to the
+    host: start-up checks only, never in a step). Each tensor is flattened before its bytes are read:
+    a channels-last 1×1×1 conv weight counts as contiguous yet has a last stride > 1, which a byte
+    view refuses."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -184,3 +184,26 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_epoch_end_and_resumes_bitwi
     assert res.returncode == 0, res.stderr[-3000:]
     assert stable_rows(run / "train_stats.csv") == stable_rows(whole / "train_stats.csv")
     assert same_params(params(run), params(whole))
+
+
+def test_the_parameter_fingerprint_reads_any_layout_in_logical_order():
+    """The start-up check that every rank holds the same parameters hashes values, not memory: on CUDA
+    the model is channels-last, where a 1×1×1 conv weight (the head) counts as contiguous yet has a last
+    stride of C, which a byte view refuses (a two-GPU run failed there before its first step)."""
+    from scaffold.distributed import fingerprint
+    from scaffold.model.unet import UNet3d
+
+    head = torch.randn(6, 64, 1, 1, 1)
+    cl = head.to(memory_format=torch.channels_last_3d)
+    assert cl.is_contiguous() and cl.stride(-1) == 64  # the layout that broke the byte view
+    assert fingerprint([cl]) == fingerprint([head])
+    torch.manual_seed(0)
+    model = UNet3d(scale=4, base_width=4, groups=2)
+    plain = fingerprint(model.parameters())
+    model = model.to(memory_format=torch.channels_last_3d)
+    assert fingerprint(model.parameters()) == plain
+    with torch.no_grad():
+        first = next(model.parameters())
+        first[(0,) * first.dim()] += 1
+    assert fingerprint(model.parameters()) != plain
+    assert fingerprint([torch.ones(3, dtype=torch.bfloat16)]) != fingerprint([torch.ones(3)])
