@@ -126,7 +126,8 @@ def _spy(monkeypatch, names):
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: "".join("tv"[not t] for t in r))
 def test_conv3d_route_runs_each_direction_where_it_says(route, monkeypatch):
     """A route (forward, backward-data, backward-weight) on Triton or ATen: same values as F.conv3d
-    for every mix, and the Triton launchers run exactly for the directions routed to Triton."""
+    for every mix, and the Triton launchers run exactly for the directions routed to Triton; the
+    bias gradient runs on ours whatever the route."""
     calls = _spy(monkeypatch, ["conv3d_forward", "conv3d_backward_data", "conv3d_backward_weight",
                                "bias_grad"])
     gen = torch.Generator().manual_seed(4)
@@ -140,13 +141,13 @@ def test_conv3d_route_runs_each_direction_where_it_says(route, monkeypatch):
         assert a.dtype == r.dtype and a.shape == r.shape, name
         assert close(a, r, 1e-5), name
     assert calls == {"conv3d_forward": int(route[0]), "conv3d_backward_data": int(route[1]),
-                     "conv3d_backward_weight": int(route[2]), "bias_grad": int(route[2])}
+                     "conv3d_backward_weight": int(route[2]), "bias_grad": 1}
 
 
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: "".join("tv"[not t] for t in r))
 def test_conv_transpose3d_route_runs_each_direction_where_it_says(route, monkeypatch):
     calls = _spy(monkeypatch, ["conv_transpose3d_forward", "conv_transpose3d_backward_data",
-                               "conv_transpose3d_backward_weight"])
+                               "conv_transpose3d_backward_weight", "bias_grad"])
     gen = torch.Generator().manual_seed(5)
     x, w, b = leaves(gen, (1, 8, 2, 3, 2), (8, 4, 2, 2, 2), (4,))
     dy = torch.randn(1, 4, 4, 6, 4, generator=gen).to(DEV)
@@ -158,7 +159,7 @@ def test_conv_transpose3d_route_runs_each_direction_where_it_says(route, monkeyp
         assert close(a, r, 1e-5), name
     assert calls == {"conv_transpose3d_forward": int(route[0]),
                      "conv_transpose3d_backward_data": int(route[1]),
-                     "conv_transpose3d_backward_weight": int(route[2])}
+                     "conv_transpose3d_backward_weight": int(route[2]), "bias_grad": 1}
 
 
 def test_routed_rung_follows_the_table(monkeypatch):
@@ -184,3 +185,32 @@ def test_routed_rung_follows_the_table(monkeypatch):
         assert not routed.supports(call)  # the bf16 key is not listed
     routed.forward(call).sum().backward()
     assert calls == {"conv3d_forward": 0, "conv3d_backward_data": 1, "conv3d_backward_weight": 0}
+
+
+def test_routed_rung_takes_all_vendor_shapes_with_a_bias(monkeypatch):
+    """An all-vendor route still goes through the routed rung when the conv has a bias, whose
+    gradient then runs on our kernel (every direction on ATen, values as F.conv_transpose3d);
+    without a bias the rung refuses it (the vendor rung runs it as it is)."""
+    from scaffold.model import routes
+
+    calls = _spy(monkeypatch, ["conv_transpose3d_forward", "conv_transpose3d_backward_data",
+                               "conv_transpose3d_backward_weight", "bias_grad"])
+    gen = torch.Generator().manual_seed(7)
+    x, w, b = leaves(gen, (1, 8, 2, 3, 2), (8, 4, 2, 2, 2), (4,))
+    two = (2, 2, 2)
+    routed = P.rung("conv_transpose", "routed")
+    key = routes.route_key(routes.arch_key(DEV), torch.float32, "convT", 8, 4, two, two, (0, 0, 0),
+                           (1, 1, 1), (2, 3, 2))
+    monkeypatch.setattr(routes, "ROUTES", {key: ("vendor", "vendor", "vendor")})
+    z, one = (0, 0, 0), (1, 1, 1)
+    assert not routed.supports(P.ConvTransposeCall(x, w, None, two, z, z, 1, one))
+    call = P.ConvTransposeCall(x, w, b, two, z, z, 1, one)
+    assert routed.supports(call)
+    dy = torch.randn(1, 4, 4, 6, 4, generator=gen).to(DEV)
+    y, g = grads_of(lambda *a: routed.forward(P.ConvTransposeCall(*a, two, z, z, 1, one)), (x, w, b), dy)
+    y_ref, g_ref = grads_of(lambda *a: F.conv_transpose3d(*a, stride=2), (x, w, b), dy)
+    assert close(y, y_ref, 1e-5)
+    for name, a, r in zip(("dx", "dw", "db"), g, g_ref):
+        assert close(a, r, 1e-5), name
+    assert calls == {"conv_transpose3d_forward": 0, "conv_transpose3d_backward_data": 0,
+                     "conv_transpose3d_backward_weight": 0, "bias_grad": 1}

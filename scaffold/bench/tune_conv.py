@@ -21,7 +21,7 @@ import sys
 import torch
 
 from scaffold.bench import rewrite_block
-from scaffold.bench.conv import conv_sites, first, site_tensors, time_ms, transposed, triton_calls
+from scaffold.bench.conv import conv_sites, site_tensors, time_ms, transposed, triton_calls
 from scaffold.kernels.conv import tiles
 from scaffold.kernels.conv.box import TRANSPOSED_BOX_MIN_VOXELS
 from scaffold.kernels.conv.tiles import Tile, shape_class
@@ -116,8 +116,8 @@ def candidates(op: str, cls: str) -> list:
 
 def repeatable(call, times: int = 4) -> bool:
     """Whether `times` calls give bitwise the same result."""
-    once = first(call()).clone()
-    return all(torch.equal(once, first(call())) for _ in range(times - 1))
+    once = call().clone()
+    return all(torch.equal(once, call()) for _ in range(times - 1))
 
 
 def tune(scale: int, names=None, ops=None, log=print) -> dict:

@@ -4,9 +4,9 @@
                                          [--out routes.json] [--write | --print]
 
 For every distinct conv site of the model (scaffold.bench.sites) and each direction (forward,
-backward-data, backward-weight with the bias gradient) it times our Triton launchers and cuDNN restricted to
-deterministic algorithms without search (what the vendor rung runs in training) on the same bf16
-NDHWC operands, `--reps` rounds interleaved, and takes the median per side. `--timer wall` (the
+backward-data, backward-weight; the bias gradient runs on ours whatever the route) it times our
+Triton launchers and cuDNN restricted to deterministic algorithms without search (what the vendor rung
+runs in training) on the same bf16 NDHWC operands, `--reps` rounds interleaved, and takes the median per side. `--timer wall` (the
 default) times calls as launched from Python, the host's launch cost included; `--timer device`
 times CUDA-graph replays, the device time alone: the measure for a training step whose host runs
 ahead of its device (bench.minibatch --breakdown says which one a step is). A direction goes to

@@ -209,10 +209,11 @@ def _conv_transpose_forward(c: ConvTransposeCall, route) -> torch.Tensor:
 
 
 def _routed(supports: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    """`routed` takes a call that Triton supports and whose route sends some direction to Triton."""
+    """`routed` takes a call that Triton supports and whose route sends some direction to Triton, or
+    that has a bias: its gradient runs on ours whatever the route (scaffold.model.conv)."""
     def routed_supports(c) -> bool:
         route = conv_route(c)
-        return route is not None and any(route) and supports(c)
+        return route is not None and (any(route) or c.bias is not None) and supports(c)
     return routed_supports
 
 

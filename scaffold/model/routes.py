@@ -1,15 +1,17 @@
 """The measured routes of the `routed` convolution rung (what `ladder.conv=auto` runs on CUDA): data.
 
-A conv site has three kernels per step: forward, backward-data and backward-weight (with the bias
-gradient). For each *measured* shape this table says which of them run our Triton kernels and which
-cuDNN with deterministic algorithms (through ATen, as the vendor rung runs them in training), so that
-`auto` takes the faster of the two per direction. Both sides are deterministic, and the route is a
-table lookup on (arch, dtype, op, channels, geometry, spatial size), never a timing race at run time,
-so a run's bits depend only on (device, dtype, shape) as before. A shape not in the table is not
-routed: `auto` runs it all on vendor (`ladder.conv=triton` forces every direction onto Triton), except
-a shape where an operand has 2^31 elements or more (`beyond_int32`): there cuDNN leaves its tiled
-kernels for direct convolutions with 64-bit indices, measured on the H200 at scale 9 up to a thousand
-times slower than our kernels (whose offsets are int64 throughout), so such a shape runs on Triton.
+A conv site has three kernels per step: forward, backward-data and backward-weight (a bias gradient
+runs on our kernel whatever the route: scaffold.model.conv). For each *measured* shape this table says
+which of them run our Triton kernels and which cuDNN with deterministic algorithms (through ATen, as
+the vendor rung runs them in training), so that `auto` takes the faster of the two per direction; an
+all-vendor shape with a bias still takes the routed rung, for that gradient. Both sides are
+deterministic, and the route is a table lookup on (arch, dtype, op, channels, geometry, spatial size),
+never a timing race at run time, so a run's bits depend only on (device, dtype, shape) as before. A
+shape not in the table is not routed: `auto` runs it all on vendor (`ladder.conv=triton` forces every
+direction onto Triton), except a shape where an operand has 2^31 elements or more (`beyond_int32`):
+there cuDNN leaves its tiled kernels for direct convolutions with 64-bit indices, measured on the H200
+at scale 9 up to a thousand times slower than our kernels (whose offsets are int64 throughout), so such
+a shape runs on Triton.
 
 `python -m scaffold.bench.tune_routes` times both sides per site and direction on the GPU the table is for and
 rewrites the ROUTES block below. Keys: arch|dtype|op|cin>cout|geometry|DxHxW of the conv's input
