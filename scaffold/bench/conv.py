@@ -4,19 +4,19 @@
                                   [--out conv.json]
 
 The sites are the model's own (scaffold.bench.sites: its convolutions, transposed convolutions and
-1×1×1 head, those of equal shape timed once and counted as often as they occur; `--sites` keeps those
-whose module names contain one of the given strings). For each site and each direction (forward,
-backward-data, backward-weight; the bias gradient, ours whatever the route, is not part of any) it
-times, on the same bf16 NDHWC tensors: the
-Triton launchers (`triton`), cuDNN with algorithm search (`cudnn`: cudnn.benchmark on, cuDNN's best),
-and cuDNN restricted to deterministic algorithms without search (`cudnn_det`: what the vendor rung runs
-in training). `routed` is what `ladder.conv=auto` runs: per direction, the Triton time where the
-measured route (scaffold/model/routes.py) takes Triton, else the `cudnn_det` time. Medians of one of
+1×1×1 head, those of equal shape timed once and counted as often as they occur; `--sites` keeps
+those whose module names contain one of the given strings). For each site and each direction
+(forward, backward-data, backward-weight; the bias gradient, ours whatever the route, is not part of
+any) it times, on the same bf16 NDHWC tensors: the Triton launchers (`triton`), cuDNN with algorithm
+search (`cudnn`: cudnn.benchmark on, cuDNN's best), and cuDNN restricted to deterministic algorithms
+without search (`cudnn_det`: what the vendor rung runs in training). `routed` is what
+`ladder.conv=auto` runs: per direction, the Triton time where the measured route
+(scaffold/model/routes.py) takes Triton, else the `cudnn_det` time. Medians of one of
 scaffold.bench.timing's timers: `wall` (the default: as launched from Python), `device` (CUDA-graph
-replays: device time without the host's launch cost, which dominates the small sites as launched from
-Python) or `host` (the host's launch cost alone, timed while the device is held busy); ratios,
-TFLOP/s, and per-model totals where each site is weighted by how often it occurs in the model. Needs a
-CUDA GPU.
+replays: device time without the host's launch cost, which dominates the small sites as launched
+from Python) or `host` (the host's launch cost alone, timed while the device is held busy); ratios,
+TFLOP/s, and per-model totals where each site is weighted by how often it occurs in the model. Needs
+a CUDA GPU.
 """
 from __future__ import annotations
 

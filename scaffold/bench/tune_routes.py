@@ -5,15 +5,15 @@
 
 For every distinct conv site of the model (scaffold.bench.sites) and each direction (forward,
 backward-data, backward-weight; the bias gradient runs on ours whatever the route) it times our
-Triton launchers and cuDNN restricted to deterministic algorithms without search (what the vendor rung
-runs in training) on the same bf16 NDHWC operands, `--reps` rounds interleaved, and takes the median per side. `--timer wall` (the
-default) times calls as launched from Python, the host's launch cost included; `--timer device`
-times CUDA-graph replays, the device time alone: the measure for a training step whose host runs
-ahead of its device (bench.minibatch --breakdown says which one a step is). A direction goes to
-Triton when its median is below (1 - margin) × cuDNN's, else to vendor; a direction whose Triton
-call failed goes to vendor. --write rewrites the ROUTES block of routes.py (found through the
-imported module; temp file + rename) after every site, keeping the keys this run did not measure;
---print only prints that block at the end. The run-time path never times.
+Triton launchers and cuDNN restricted to deterministic algorithms without search (what the vendor
+rung runs in training) on the same bf16 NDHWC operands, `--reps` rounds interleaved, and takes the
+median per side. `--timer wall` (the default) times calls as launched from Python, the host's launch
+cost included; `--timer device` times CUDA-graph replays, the device time alone: the measure for a
+training step whose host runs ahead of its device (bench.minibatch --breakdown says which one a step
+is). A direction goes to Triton when its median is below (1 - margin) × cuDNN's, else to vendor; a
+direction whose Triton call failed goes to vendor. --write rewrites the ROUTES block of routes.py
+(found through the imported module; temp file + rename) after every site, keeping the keys this run
+did not measure; --print only prints that block at the end. The run-time path never times.
 """
 from __future__ import annotations
 
