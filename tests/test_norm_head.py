@@ -44,6 +44,33 @@ def test_fp32_values_and_gradients_match_the_separate_ops(affine, head_bias):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
 
 
+def test_head_weight_gradient_keeps_the_weight_strides():
+    """A channels-last 1×1×1 head weight (strides (C, 1, C, C, C), as Module.to(channels_last_3d) makes
+    it) gets its gradient in those strides, size-1 dims included: DDP compares them with its bucket's
+    and warns on any difference. A contiguous weight keeps contiguous strides."""
+    for layout in (CL, torch.contiguous_format):
+        (x, w, b, hw, hb), _ = _inputs()
+        hw = torch.nn.Conv3d(6, 3, 1).to(DEV).to(memory_format=layout).weight
+        with torch.no_grad():
+            hw.copy_(torch.randn(hw.shape, generator=torch.Generator().manual_seed(5)))
+        out = NH.norm_head(x, 3, w, b, 1e-5, hw, hb, torch.float32)
+        (g,) = torch.autograd.grad(out.sum(), hw)
+        assert g.stride() == hw.stride(), (layout, g.stride(), hw.stride())
+        ref = _reference(x, w, b, hw, hb, 3)
+        torch.testing.assert_close(g, torch.autograd.grad(ref.sum(), hw)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_every_gradient_of_a_channels_last_unet_keeps_its_parameter_strides():
+    """The U-Net in channels-last (as on CUDA) with its fused head: after a backward every parameter's
+    gradient has exactly the parameter's strides, which DDP needs to copy it into its bucket as is."""
+    model = _unet().to(memory_format=CL)
+    x = torch.randn(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(6)).to(DEV)
+    _step(model, x)
+    wrong = [(n, p.stride(), p.grad.stride()) for n, p in model.named_parameters()
+             if p.grad.stride() != p.stride()]
+    assert not wrong
+
+
 def test_bf16_is_as_close_to_fp32_as_the_separate_ops_and_bitwise_run_to_run():
     (x, w, b, hw, hb), _ = _inputs(C=8, K=6, seed=3)
     x16, hw16, hb16 = (t.detach().bfloat16().requires_grad_() for t in (x, hw, hb))

@@ -276,7 +276,10 @@ def backward(dl: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], 
     pdtype = weight.dtype if weight is not None else torch.float32
     dw = torch.empty((C,), dtype=pdtype, device=x.device)
     db = torch.empty((C,), dtype=bias.dtype if bias is not None else pdtype, device=x.device)
-    dhw = torch.empty((K, C), dtype=head_weight.dtype, device=x.device)
+    # The head weight's gradient in the weight's own strides (a channels-last [K, C, 1, 1, 1] weight has
+    # strides (C, 1, C, C, C)): DDP compares a gradient's strides with its bucket's, size-1 dims included,
+    # and warns on a mismatch. The kernel writes it through its dense [K, C] view.
+    dhw_full = torch.empty_like(head_weight)
     dhb = torch.empty((K,), dtype=(head_bias if head_bias is not None else head_weight).dtype, device=x.device)
     w, b = _dummy(weight, mean), _dummy(bias, mean)
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, **dot_mode(dl))
@@ -293,13 +296,13 @@ def backward(dl: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], 
     block = min(1024, next_pow2(C))
     _gn_sum_over_batch_kernel[(cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
     hblock = max(64, next_pow2(K))  # one program's columns (the bias's K included)
-    _nh_head_grads_kernel[(cdiv(K * C, hblock),)](pw, pb, dhw, dhb, N * plan.splits, K, C,
+    _nh_head_grads_kernel[(cdiv(K * C, hblock),)](pw, pb, dhw_full.view(K, C), dhb, N * plan.splits, K, C,
                                                    HAS_HB=head_bias is not None, BLOCK_R=64, BLOCK=hblock,
                                                    num_warps=4)
     _nh_bwd_dx_kernel[(cdiv(S, block_s), N)](
         x, dl, dx, mean, rstd, w, b, hw, c1, c2, S, C, G, C // G, K,
         x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, *nsc_strides(dx), **flags, **tile)
-    return dx, dw, db, dhw.view(head_weight.shape), dhb
+    return dx, dw, db, dhw_full, dhb
 
 
 class _NormHeadFn(torch.autograd.Function):
