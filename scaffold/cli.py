@@ -23,7 +23,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from scaffold.config import RETIRED, Config, ConfigError, validate
+from scaffold.config import OBJECTIVES, RETIRED, Config, ConfigError
 
 log = logging.getLogger("scaffold")
 
@@ -165,9 +165,12 @@ def _apply(node: Any, key: str, value: Any, sweep: Any = None) -> None:
 
 
 def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
-              check: Any = validate) -> list[str]:
-    """Check overrides against the schema; returns argv, with Hydra's run dir pointed at a resumed run
-    (or, with `claim`, at a new run's directory created here: see claim_run_dir)."""
+              check: Any = None) -> list[str]:
+    """Check overrides against the schema and `check` (the whole-config check, scaffold.plan.validate,
+    by default); returns argv, with Hydra's run dir pointed at a resumed run (or, with `claim`, at a new
+    run's directory created here: see claim_run_dir)."""
+    if check is None:
+        from scaffold.plan import validate as check
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -379,3 +382,21 @@ def resumed_config(run_dir: Path, cfg: Any, overrides: list[str]) -> Any:
                               f"asked {asked!r}); start a new run instead")
     base.resume = str(run_dir)
     return base
+
+
+def register() -> None:
+    """Registers the schema with Hydra's ConfigStore (as `base_config`, used by conf/config.yaml), the
+    `--help` page generated from it (as hydra/help `scaffold`, see scaffold/help.py), and the
+    `scaffold.direction` resolver: `${scaffold.direction:${objective}}` is minimize or maximize."""
+    from hydra.core.config_store import ConfigStore
+
+    from scaffold import help as help_page
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+    # `python -m scaffold.train --help` (conf/config.yaml selects hydra/help: scaffold).
+    header, body = help_page.train_page(config_groups())
+    ConfigStore.instance().store(group="hydra/help", name="scaffold",
+                                 node=help_page.hydra_help_node("scaffold.train", header, body))
+    # An unknown objective resolves to minimize; validation names it before any trial runs.
+    OmegaConf.register_new_resolver("scaffold.direction", lambda name: OBJECTIVES.get(name, "minimize"),
+                                    replace=True)

@@ -1,9 +1,10 @@
-"""The configuration schema: every knob, its default and what it means.
+"""The configuration schema: every knob, its default and what it means, and nothing else.
 
-Hydra validates types and rejects unknown keys against these dataclasses; `validate` adds the semantic
-checks (one line naming the key) that must pass before any expensive work starts. The trainer and the
-data generator take these objects (or any object with the same attributes); only `scaffold.train` and
-`scaffold.data.__main__` know about Hydra.
+Hydra validates types and rejects unknown keys against these dataclasses; `check` adds the checks each
+field can make on its own (a value among a field's choices, a number in its range), and
+`validate_data` those of the keys that define a dataset. Checks that need the whole run (the model's
+shape, the registered ladder rungs, the dataset's size, the memory model) are scaffold.plan's, which
+also decides every `auto`. This module imports nothing of scaffold: everything may import it.
 
 Defaults follow upstream ScaFFold's benchmark, except `scale`: its default is small enough that a plain
 `python -m scaffold.train` reaches the target Dice on a 2-core CPU in a few minutes. The GPU benchmark is
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 
@@ -30,6 +31,18 @@ RETIRED_MORE_DETERMINISM = (
 RETIRED = {"more_determinism": RETIRED_MORE_DETERMINISM}
 
 
+def choice(*options: str) -> Any:
+    """A string field whose value is one of `options` (the first is the default). OmegaConf 2.3 cannot
+    type a field as a `Literal`, so the set lives in the field's metadata: `check` enforces it and
+    `--help` lists it."""
+    return field(default=options[0], metadata={"choices": options})
+
+
+def choices(cls: type, name: str) -> tuple[str, ...]:
+    """The values a `choice` field of a schema dataclass accepts."""
+    return next(f.metadata["choices"] for f in fields(cls) if f.name == name)
+
+
 @dataclass
 class DataConfig:
     n_categories: int = 5
@@ -42,7 +55,7 @@ class DataConfig:
     """Share of the volumes held out for validation."""
     variance_threshold: float = 0.15
     """A class is accepted when its normalized point cloud has more than this variance on every axis."""
-    class_rule: str = "upstream"
+    class_rule: str = choice("upstream", "rms")
     """How a class candidate's cloud is normalized before that test: upstream (upstream ScaFFold's rule:
     each axis mean-centred and min-max scaled to a range of 2; our contraction test kept as a guard) |
     rms (this project's earlier rule: centred and divided by the RMS radius, so the three variances sum
@@ -66,7 +79,7 @@ class ModelConfig:
     """Channels after the stem; doubles at every level."""
     groups: int = 8
     """GroupNorm groups; must divide every width."""
-    recompute: str = "auto"
+    recompute: str = choice("auto", "off", "blocks")
     """Activation recompute, trading compute for memory with the same bits: off (keep every activation
     for the backward) | blocks (keep only each block's inputs and recompute the rest in the backward:
     about two thirds of the peak, for 1.3x the step time at scale 8) | auto (blocks only where the
@@ -132,7 +145,7 @@ class Config:
     """Adam learning rate (the cosine schedule's peak)."""
     target_dice: float = 0.95
     """Stop once the validation Dice reaches this."""
-    objective: str = "best_val_loss"
+    objective: str = choice("best_val_loss", "best_val_dice", "final_val_dice", "time_to_target")
     """What a run returns to a Hydra sweeper (Optuna's, see conf/hparams_search/), and in which direction
     it is optimized: best_val_loss (minimize) | best_val_dice (maximize) | final_val_dice (maximize) |
     time_to_target (seconds, minimize; +inf when the target is missed). The default is best_val_loss: it
@@ -140,18 +153,18 @@ class Config:
     bitwise reproducible, and it is what the `best` checkpoint is chosen by. Time to target is the
     benchmark's own number, but it is wall clock (noisy) and a flat +inf for every trial that misses the
     target, which tells a sampler nothing. A failed trial returns the worst value (+inf, or -inf)."""
-    determinism: str = "default"
+    determinism: str = choice("default", "strict", "off")
     """default (bitwise reproducible) | strict (also torch.use_deterministic_algorithms, raising) |
     off (vendor autotuning allowed; bits may differ between runs)."""
     device: str = "auto"
     """auto (CUDA when present) | cpu | cuda | cuda:N."""
-    precision: str = "auto"
+    precision: str = choice("auto", "bf16", "fp32")
     """auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32."""
-    cuda_graph: str = "auto"
+    cuda_graph: str = choice("auto", "on", "off")
     """auto (on one CUDA device in one process, capture the step's forward, loss and backward once as a
     CUDA graph and replay it: the same bits as eager, without the host's per-kernel launch cost) | on
     (the same, and an error where it cannot run) | off (eager steps)."""
-    data_placement: str = "auto"
+    data_placement: str = choice("auto", "device", "host")
     """Where the dataset's masks live during training: auto (on the device when they take at most a
     tenth of its memory, else host) | device (indexed there: no copy per step) | host (pinned host
     memory; each step copies its volumes over asynchronously, without waiting for the device)."""
@@ -178,20 +191,19 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-DETERMINISM_MODES = ("default", "strict", "off")
-PRECISIONS = ("auto", "bf16", "fp32")
-CUDA_GRAPH_MODES = ("auto", "on", "off")
-RECOMPUTE_MODES = ("auto", "off", "blocks")
-DATA_PLACEMENTS = ("auto", "device", "host")
 # objective -> the direction a sweeper optimizes it in (conf/hparams_search/ reads it through the
 # `scaffold.direction` resolver, so choosing an objective cannot leave the sweeper going the wrong way).
 OBJECTIVES = {"best_val_loss": "minimize", "best_val_dice": "maximize", "final_val_dice": "maximize",
               "time_to_target": "minimize"}
 
 
-def _need(ok: bool, key: str, expected: str, value: Any) -> None:
+def expect(ok: bool, key: str, expected: str, value: Any) -> None:
+    """ConfigError `key=value: expected ...` unless `ok`: the one-line form of every config error."""
     if not ok:
         raise ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+_need = expect
 
 
 def _finite(value: Any) -> bool:
@@ -232,75 +244,29 @@ def validate_data(data: Any, scale: int) -> None:
     _need(data.workers >= 0, "data.workers", "an integer >= 0 (0 = one per core)", data.workers)
 
 
-def check_model(scale: int, bottleneck: int, base_width: int, groups: int) -> list[int]:
-    """The U-Net's channel widths from the stem down to the bottleneck; ConfigError naming the key
-    when the shape keys cannot build one (used by `validate` and by UNet3d itself)."""
-    _need(isinstance(bottleneck, int) and bottleneck >= 0, "model.bottleneck", "an integer >= 0",
-          bottleneck)
-    _need(isinstance(scale, int) and scale > bottleneck, "scale",
-          f"greater than model.bottleneck ({bottleneck})", scale)
-    _need(isinstance(base_width, int) and base_width > 0, "model.base_width", "a positive integer",
-          base_width)
-    _need(isinstance(groups, int) and groups > 0, "model.groups", "a positive integer", groups)
-    widths = [base_width * 2**i for i in range(scale - bottleneck + 1)]
-    _need(all(w % groups == 0 for w in widths), "model.groups", f"a divisor of every width {widths}",
-          groups)
-    return widths
-
-
-def dataset_sizes(data: Any) -> tuple[int, int]:
-    """(n_train, n_val) that a data config will produce, without generating anything."""
-    from scaffold.data.volumes import split_sizes
-
-    n_volumes = data.n_categories * (data.n_instances // data.fractals_per_volume)
-    return split_sizes(n_volumes, float(data.val_fraction))
-
-
-def validate(cfg: Any) -> None:
-    """Semantic checks of a whole training config; raises ConfigError with one line naming the key."""
+def check(cfg: Any) -> None:
+    """The checks each key of a training config can make on its own; ConfigError, one line naming the
+    key. scaffold.plan.validate runs these first, then those of the whole run."""
     for key, why in RETIRED.items():
         if getattr(cfg, key, None) is not None:
             raise ConfigError(why)
-    validate_data(cfg.data, cfg.scale)
-    m = cfg.model
-    check_model(cfg.scale, m.bottleneck, m.base_width, m.groups)
-    _need(getattr(m, "recompute", "auto") in RECOMPUTE_MODES, "model.recompute", " | ".join(RECOMPUTE_MODES),
-          getattr(m, "recompute", "auto"))
+    for name, cls in (("", Config), ("data.", DataConfig), ("model.", ModelConfig)):
+        node = cfg if not name else getattr(cfg, name[:-1])
+        for f in fields(cls):
+            value = getattr(node, f.name, None)
+            if "choices" in f.metadata and value is not None:
+                _need(value in f.metadata["choices"], name + f.name, " | ".join(f.metadata["choices"]), value)
     _need(cfg.epochs == -1 or cfg.epochs > 0, "epochs", "a positive integer or -1 (until converged)",
           cfg.epochs)
     _need(cfg.batch_size > 0, "batch_size", "a positive integer", cfg.batch_size)
-    _need(cfg.data_placement in DATA_PLACEMENTS, "data_placement", " | ".join(DATA_PLACEMENTS), cfg.data_placement)
     _need(_finite(cfg.lr) and 0 < cfg.lr <= MAX_LR, "lr", f"a number in (0, {MAX_LR:g}]", cfg.lr)
     _need(0 < cfg.target_dice <= 1, "target_dice", "a number in (0, 1]", cfg.target_dice)
-    _need(cfg.determinism in DETERMINISM_MODES, "determinism", " | ".join(DETERMINISM_MODES),
-          cfg.determinism)
-    _need(cfg.precision in PRECISIONS, "precision", " | ".join(PRECISIONS), cfg.precision)
     dev = str(cfg.device)
     _need(dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:"), "device",
           "auto | cpu | cuda | cuda:N", cfg.device)
-    _need(cfg.cuda_graph in CUDA_GRAPH_MODES, "cuda_graph", " | ".join(CUDA_GRAPH_MODES), cfg.cuda_graph)
-    _need(cfg.objective in OBJECTIVES, "objective", " | ".join(OBJECTIVES), cfg.objective)
-    if dev == "cpu":  # known before any work: the step's own rule says whether a graph can run
-        import torch
-
-        from scaffold.step import wants_graph
-
-        wants_graph(cfg.cuda_graph, torch.device("cpu"), 1)
     _need(cfg.checkpoint_interval >= 0, "checkpoint_interval", "an integer >= 0",
           cfg.checkpoint_interval)
     _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)
-    from scaffold.model.policy import OPS, settings  # the allowed rungs are the registered ones
-
-    for key in OPS:
-        value = getattr(cfg.ladder, key)
-        _need(value in settings(key), f"ladder.{key}", " | ".join(settings(key)), value)
-    n_train = dataset_sizes(cfg.data)[0]
-    _need(cfg.batch_size <= n_train, "batch_size", f"at most the {n_train} training volumes", cfg.batch_size)
-    from scaffold.tracking import LOGGERS, check_available  # the allowed loggers are the registered ones
-
-    logger = getattr(cfg, "logger", "none")
-    _need(logger in LOGGERS, "logger", " | ".join(LOGGERS), logger)
-    check_available(logger)  # a missing package fails here, before any work
     _need(_finite(cfg.parallel.timeout_s) and cfg.parallel.timeout_s > 0, "parallel.timeout_s",
           "a finite number of seconds > 0", cfg.parallel.timeout_s)
     shards = cfg.parallel.spatial_shards
@@ -318,27 +284,3 @@ def validate(cfg: Any) -> None:
     _need(o.t_mult >= 1, "optim.t_mult", "an integer >= 1", o.t_mult)
     _need(_finite(o.eta_min) and 0 <= o.eta_min <= cfg.lr, "optim.eta_min",
           f"a number in [0, lr] (lr={cfg.lr!r})", o.eta_min)
-    # Last: the memory model reads the checked shape, precision, batch, placement and shard keys. A scale
-    # that cannot fit on its device even with recompute fails here, before any data or model exists.
-    from scaffold.model.memory import check_scale
-
-    check_scale(cfg)
-
-
-def register() -> None:
-    """Registers the schema with Hydra's ConfigStore (as `base_config`, used by conf/config.yaml), the
-    `--help` page generated from it (as hydra/help `scaffold`, see scaffold/help.py), and the
-    `scaffold.direction` resolver: `${scaffold.direction:${objective}}` is minimize or maximize."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    from scaffold import cli, help as help_page
-
-    ConfigStore.instance().store(name="base_config", node=Config)
-    # `python -m scaffold.train --help` (conf/config.yaml selects hydra/help: scaffold).
-    header, body = help_page.train_page(cli.config_groups())
-    ConfigStore.instance().store(group="hydra/help", name="scaffold",
-                                 node=help_page.hydra_help_node("scaffold.train", header, body))
-    # An unknown objective resolves to minimize; `validate` names it before any trial runs.
-    OmegaConf.register_new_resolver("scaffold.direction", lambda name: OBJECTIVES.get(name, "minimize"),
-                                    replace=True)

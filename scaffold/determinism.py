@@ -1,4 +1,4 @@
-"""Seeding and the determinism modes (DESIGN.md §9).
+"""Seeding and the determinism modes (docs/design.md, "The determinism contract").
 
 default  same config + same hardware and software => the same bits. Every seed derives from `seed`;
          cuDNN runs without benchmark search and with deterministic algorithms; our rungs never autotune at

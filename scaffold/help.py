@@ -3,7 +3,7 @@ schema: each key's type and default come from scaffold/config.py's dataclasses, 
 docstring written under the field.
 
 Python keeps no docstrings of fields at run time (they are bare string expressions), so they are read
-from the source with `ast`. Hydra prints `hydra.help.template`: `config.register()` stores each page as
+from the source with `ast`. Hydra prints `hydra.help.template`: `cli.register()` stores each page as
 an option of Hydra's `hydra/help` group, which conf/config.yaml (train) and scaffold/data/__main__.py
 (data) select.
 """

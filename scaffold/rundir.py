@@ -19,7 +19,13 @@ import socket
 from pathlib import Path
 from typing import Optional
 
+# What a run directory holds, by name (README's table says what each is).
 LOCK_FILE = ".lock"
+RUN_FILE = "run.json"  # marks a scaffold run directory; holds the resolved config for resume
+RESULT_FILE = "result.json"
+CENSUS_FILE = "census.json"
+STATS_FILE = "train_stats.csv"
+CHECKPOINT_DIR = "checkpoints"
 
 
 class RunDirBusy(RuntimeError):

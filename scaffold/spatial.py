@@ -50,6 +50,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from scaffold.model.grid import Grid, level_grid, level_grids  # noqa: F401 - part of this module's API
 from scaffold.model.ladder import VENDOR, FastConv3d, FastGroupNorm
 
 
@@ -124,32 +125,6 @@ def make_mesh(rank: int, world: int, spatial: int, device_type: str, timeout_s: 
     group = mesh.get_group("spatial")
     ranks = tuple(dist.get_process_group_ranks(group))
     return Mesh(ShardGroup(group, ranks, ranks.index(rank)), rank // spatial, data)
-
-
-@dataclass(frozen=True)
-class Grid:
-    """How a level's tensors are split over a shard group of pd·ph ranks: D into pd blocks, then H into
-    ph (rank i holds D block i // ph and H block i % ph); W is never split."""
-
-    pd: int
-    ph: int = 1
-
-    def box(self, index: int, edge: int) -> tuple[int, int, int, int]:
-        """(d0, d1, h0, h1) of rank `index`'s block of a volume `edge` voxels on a side."""
-        bd, bh = edge // self.pd, edge // self.ph
-        i, j = divmod(index, self.ph)
-        return i * bd, (i + 1) * bd, j * bh, (j + 1) * bh
-
-
-def level_grid(edge: int, count: int) -> Optional[Grid]:
-    """The split of a level whose volumes are `edge` voxels on a side: D alone while every rank keeps at
-    least one plane; then D into `edge` one-plane blocks and H into the rest (D then H), while every
-    rank keeps at least one row; None past that (the level runs whole on every rank)."""
-    if edge >= count:
-        return Grid(count, 1)
-    if edge * edge >= count:
-        return Grid(edge, count // edge)
-    return None
 
 
 # --------------------------------------------------------------------------------------- collectives
@@ -448,12 +423,6 @@ def _move(x: torch.Tensor, sg: ShardGroup, src: Grid, dst: Grid, edge: int) -> t
 def redistribute(x: torch.Tensor, sg: ShardGroup, src: Grid, dst: Grid) -> torch.Tensor:
     """x, this rank's `src` block, as its `dst` block (differentiable)."""
     return x if src == dst else _Redistribute.apply(x, sg, src, dst)
-
-
-def level_grids(scale: int, levels: int, count: int) -> list[Optional[Grid]]:
-    """Per U-Net level (0 = full resolution), how its tensors are split (`level_grid`), None where the
-    level runs whole on every rank of the group."""
-    return [level_grid(2 ** (scale - level), count) for level in range(levels + 1)]
 
 
 def shard_model(model: torch.nn.Module, sg: Optional[ShardGroup]) -> torch.nn.Module:

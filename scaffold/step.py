@@ -53,7 +53,23 @@ def amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
     return None
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Any, working: bool = False) -> torch.optim.Optimizer:
+OPTIMIZERS = ("scaffold", "torch-fused", "torch")  # scaffold.kernels.adam | torch's fused | torch's foreach
+
+
+def optimizer_kind(device: torch.device) -> tuple[str, str]:
+    """(the optimizer's implementation, why), one of OPTIMIZERS: ours on CUDA where Triton compiles (not
+    its interpreter), torch's fused and capturable Adam on CUDA otherwise, torch's default on the CPU."""
+    if device.type != "cuda":
+        return "torch", "torch's Adam (foreach): on the CPU"
+    from scaffold.kernels.lib.device import interpreting, triton_importable
+
+    if triton_importable() and not interpreting():
+        return "scaffold", "scaffold.kernels.adam: the clip's norm and Adam in three launches, capturable"
+    return "torch-fused", "torch's fused, capturable Adam: Triton cannot compile here"
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Any, working: bool = False,
+                   kind: Optional[str] = None) -> torch.optim.Optimizer:
     """Adam over `model`'s parameters as the config says (lr, optim.weight_decay).
 
     On CUDA: ours (scaffold.kernels.adam: the clip's norm and Adam in three launches over all
@@ -63,14 +79,14 @@ def make_optimizer(model: torch.nn.Module, cfg: Any, working: bool = False) -> t
     gives the convolutions bf16 working copies of their weights (scaffold.model.ladder), written at each
     step, so no cast of a weight or of its gradient runs; for one process whose model is called as it is
     (a DDP wrapper or a sharded model reduces the parameters' own gradients: they keep fp32 ones).
-    On the CPU: torch's default (foreach) Adam."""
+    On the CPU: torch's default (foreach) Adam. `kind` (one of OPTIMIZERS, the run's plan's) picks the
+    implementation; by default `optimizer_kind` of the parameters' device."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
+    kind = kind or optimizer_kind(device)[0]
     if device.type == "cuda":
         lr = torch.tensor(float(cfg.lr), device=device)
-        from scaffold.kernels.lib.device import interpreting, triton_importable
-
-        if triton_importable() and not interpreting():
+        if kind == "scaffold":
             from scaffold.kernels import adam
 
             if adam.supported(params):

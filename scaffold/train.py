@@ -21,7 +21,8 @@ import hydra
 
 from scaffold import cli
 from scaffold.checkpoint import CheckpointError
-from scaffold.config import OBJECTIVES, ConfigError, register
+from scaffold.cli import register
+from scaffold.config import OBJECTIVES, ConfigError
 
 log = logging.getLogger("scaffold")
 

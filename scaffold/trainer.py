@@ -36,7 +36,8 @@ from scaffold.data.loader import make_input
 from scaffold.kernels.lib.ahead import compile_ahead
 from scaffold.metrics import hard_dice, per_sample_loss
 from scaffold.stats import StatsFile, load_average
-from scaffold.step import EvalGraph, TrainStep, amp_dtype, keep_lr_on_device, make_optimizer
+from scaffold.plan import RunPlan, asks_working_copies
+from scaffold.step import EvalGraph, TrainStep, amp_dtype, keep_lr_on_device, make_optimizer, optimizer_kind
 
 log = logging.getLogger("scaffold")
 
@@ -217,7 +218,8 @@ class Position:
 class Trainer:
     def __init__(self, cfg: Any, model: torch.nn.Module, loss_fn: torch.nn.Module, volumes: Volumes,
                  device: torch.device, run_dir: Path, place: distributed.Place = distributed.Place(),
-                 ddp_model: Optional[torch.nn.Module] = None, mesh: Optional[spatial.Mesh] = None):
+                 ddp_model: Optional[torch.nn.Module] = None, mesh: Optional[spatial.Mesh] = None,
+                 plan: Optional[RunPlan] = None):
         self.cfg, self.model, self.loss_fn, self.vol = cfg, model, loss_fn, volumes
         self.net = ddp_model if ddp_model is not None else model  # what the step calls
         self.device, self.run_dir, self.place = device, Path(run_dir), place
@@ -226,14 +228,16 @@ class Trainer:
         self.mesh = mesh if mesh is not None else spatial.Mesh(None, place.rank, place.world)
         self.shards = self.mesh.shards
         self.n_classes = volumes.palette.shape[0]
-        self.amp_dtype = amp_dtype(cfg.precision, device)
-        # bf16 working copies of the conv weights (scaffold.kernels.adam) where the step calls the model
-        # itself (DDP and the spatial shards reduce the parameters' own gradients) and keeps its
-        # activations: under recompute the casts' copies are not kept through the forward, so working
-        # copies, which always are, would raise the step's peak (by 2 bytes a parameter, 2.7 GiB at
-        # scale 9) where memory is what limits the run.
-        self.working = ddp_model is None and self.shards is None and getattr(model, "recompute", "off") == "off"
-        self.optimizer = make_optimizer(model, cfg, working=self.working)
+        # The run's decisions (scaffold.plan): the autocast dtype, the optimizer's implementation and
+        # whether it writes bf16 working copies of the conv weights. Without a plan (tests, tools), the
+        # plan's own rules applied to this model and device.
+        if plan is not None:
+            self.amp_dtype, self.optimizer_kind, self.working = plan.amp_dtype, plan.optimizer, plan.working_copies
+        else:
+            self.amp_dtype, self.optimizer_kind = amp_dtype(cfg.precision, device), optimizer_kind(device)[0]
+            self.working = asks_working_copies(ddp_model is not None, 1 if self.shards is None else self.shards.count,
+                                               getattr(model, "recompute", "off"))
+        self.optimizer = make_optimizer(model, cfg, working=self.working, kind=self.optimizer_kind)
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
             self.optimizer, T_0=cfg.optim.t0, T_mult=cfg.optim.t_mult, eta_min=cfg.optim.eta_min)
         self.train_step = self._train_step(self.net, self.optimizer)
@@ -349,7 +353,7 @@ class Trainer:
         t0 = time.perf_counter()
         rng = determinism.rng_state()
         net = copy.deepcopy(self.model)
-        step = self._train_step(net, make_optimizer(net, self.cfg, working=self.working))
+        step = self._train_step(net, make_optimizer(net, self.cfg, working=self.working, kind=self.optimizer_kind))
         masks = self.vol.first(self.vol.train, self.cfg.batch_size)
         try:
             with compile_ahead() as ahead:

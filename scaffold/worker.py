@@ -1,8 +1,9 @@
-"""One process's whole job: determinism, place in the job, data, model, loop, results, teardown.
+"""One process's whole job, in phases: join, plan, claim, data, build, records, start, fit, result.
 
 `run(cfg, run_dir)` takes a plain config object (scaffold.config.Config or an OmegaConf node of it) and a
 run directory; it knows nothing of Hydra. Every check that can fail on bad input runs before the dataset
-is generated or the model is built.
+is generated or the model is built; every decision about how the run runs is scaffold.plan's, made once
+(`RunPlan.lines()` logs them), and the phases below only build what the plan says.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import platform
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,30 +23,15 @@ import torch
 
 import scaffold
 from scaffold import checkpoint, determinism, distributed, report, rundir, spatial
-from scaffold.config import ConfigError, dataset_sizes, validate
+from scaffold.config import ConfigError
 from scaffold.files import write_json
+from scaffold.plan import RunPlan, device_kind, resolve, roomy_allocator, validate
+from scaffold.rundir import CENSUS_FILE, CHECKPOINT_DIR, RESULT_FILE, RUN_FILE, STATS_FILE
 from scaffold.stats import StatsFile, load_average
-from scaffold.step import wants_graph
 from scaffold.tracking import NullTracker, make_tracker
-from scaffold.trainer import StopRequest, Trainer, Volumes
+from scaffold.trainer import Progress, StopRequest, Trainer, Volumes
 
 log = logging.getLogger("scaffold")
-
-RUN_FILE = "run.json"  # marks a scaffold run directory; holds the resolved config for resume
-RESULT_FILE = "result.json"
-CENSUS_FILE = "census.json"
-STATS_FILE = "train_stats.csv"
-
-
-def pick_device(name: str, place: distributed.Place) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={name!r}: no CUDA device is available here (use device=cpu)")
-        if name == "cuda":
-            return torch.device("cuda", place.local_rank)
-    return torch.device(name)
 
 
 def device_name(device: torch.device) -> str:
@@ -61,18 +48,12 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def place_masks(setting: str, train: torch.Tensor, val: torch.Tensor, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The masks where `data_placement` puts them: the device, or pinned host memory (CUDA only)."""
-    host = False
-    if device.type == "cuda" and setting != "device":
-        total = torch.cuda.get_device_properties(device).total_memory
-        host = setting == "host" or (train.numel() + val.numel()) > total // 10
-    if host:
-        log.info("dataset masks in pinned host memory (%.1f GiB; data_placement=%s): each step copies its "
-                 "volumes to the device asynchronously", (train.numel() + val.numel()) / 2**30, setting)
+def place_masks(plan: RunPlan, train: torch.Tensor, val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masks where the plan puts them: the device, or pinned host memory (each step then copies
+    its volumes over asynchronously)."""
+    if plan.masks_on_host:
         return train.pin_memory(), val.pin_memory()
-    return train.to(device), val.to(device)
+    return train.to(plan.device), val.to(plan.device)
 
 
 def check_writable(run_dir: Path) -> None:
@@ -154,226 +135,312 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
                 signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
+@dataclass
+class Job:
+    """What the phases hand on: the place in the job, the plan, the run directory and what each phase
+    built."""
+
+    cfg: Any
+    run_dir: Path
+    resume: bool
+    overrides: list[str]
+    started: float = field(default_factory=time.perf_counter)
+    load_at_start: Any = None
+    place: distributed.Place = distributed.Place()
+    plan: Optional[RunPlan] = None
+    mesh: Any = None
+    state: Optional[dict] = None  # the checkpoint a resume continues from
+    ckpt_path: Optional[Path] = None
+    data: Any = None  # (dataset path, info, train masks, val masks)
+    trainer: Optional[Trainer] = None
+    model: Any = None
+    ddp: Any = None
+    n_params: int = 0
+    stats: Optional[StatsFile] = None
+    tracker: Any = None
+    original_overrides: list[str] = field(default_factory=list)
+    resumes: list[dict] = field(default_factory=list)
+    startup: dict = field(default_factory=dict)
+    startup_s: float = 0.0
+
+
+@dataclass
+class Result:
+    """The run's outcome: result.json's fields (see README's figure of merit)."""
+
+    epochs: int
+    optimizer_steps: int
+    best_epoch: int  # lowest val_loss_avg: the CSV's last row with is_best = 1
+    best_val_loss: float
+    final_val_dice: float
+    best_val_dice: float
+    target_dice: float
+    # Wall clock from the first training step to the end of the epoch that reached the target,
+    # everything included (evaluation, checkpoints, logging); start-up is beside it.
+    time_to_target_s: Optional[float]
+    target_epoch: Optional[int]
+    startup_s: float
+    startup: dict
+    wall_time_s: float
+    train_time_s: float  # summed epoch_duration: training + evaluation only
+    checkpoint_wait_s: float  # host time spent waiting for background writes
+    checkpoint_final_wait_s: float  # of which at the target epoch, for the last writes
+    # host time the epochs spent handing checkpoints over (state, snapshot enqueue, waits): with the
+    # final wait, what checkpoints cost the wall clock up to the target (like the two waits above,
+    # counted by this process: a resumed run's figure covers the epochs since the resume)
+    checkpoint_submit_s: float
+    # CPU time and machine load beside the wall times: a slow run starved of cores (CPU well below
+    # threads x wall, high load) reads differently from one that is slow on its own.
+    train_cpu_s: float
+    cpu_count: Optional[int]
+    torch_threads: int
+    load_avg_start: Any
+    load_avg_end: Any
+    dataset_s: float
+    warmup_s: float
+    cuda_graph: bool
+    graph_capture_s: float
+    overrides: list[str]  # those the run was started with; a resume's are in `resumes`
+    resumes: list[dict]
+    plan: dict  # the run's decisions (scaffold.plan.RunPlan.record)
+
+
 def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], stop: StopRequest,
          held: list) -> dict:
-    started = time.perf_counter()
+    job = Job(cfg, run_dir, resume, list(overrides or []))
+    _join(job)
+    _plan(job)
+    _claim(job, held)
+    _load_data(job)
+    _build(job, stop)
+    _records(job)
+    _start(job)
+    progress = _fit(job)
+    return _result(job, progress)
+
+
+def _join(job: Job) -> None:
+    """Check the config, set the determinism mode, join the process group (under torchrun)."""
+    cfg = job.cfg
     validate(cfg)
-    load_at_start = load_average()  # with the end's, tells a run slowed by other work on the machine
+    job.load_at_start = load_average()  # with the end's, tells a run slowed by other work on the machine
     determinism.configure(cfg.determinism)  # before anything touches CUDA
-    place = distributed.init("cuda" if str(cfg.device) != "cpu" and torch.cuda.is_available() else "cpu",
-                             cfg.parallel.timeout_s)
-    device = pick_device(str(cfg.device), place)
-    use_graph = wants_graph(cfg.cuda_graph, device, place.world, place.joined)
-    # Only rank 0 touches the run directory; the others learn its path and whether it works.
-    run_dir = Path(distributed.broadcast_object(str(run_dir), place))
-    distributed.agree(_attempt(check_writable, run_dir)[1] if place.is_main else None, place)
+    job.place = distributed.init(device_kind(cfg), cfg.parallel.timeout_s)
+
+
+def _plan(job: Job) -> None:
+    """Every decision of the run, once, logged with its reason."""
+    job.plan = resolve(job.cfg, job.place)
+    if job.plan.expandable_segments and roomy_allocator():
+        log.info("memory: expandable allocator segments (PYTORCH_CUDA_ALLOC_CONF unset)")
+    for line in job.plan.lines():
+        log.info("%s", line)
+
+
+def _claim(job: Job, held: list) -> None:
+    """Only rank 0 touches the run directory; the others learn its path and whether it works. Then the
+    shard mesh, and the checkpoint a resume continues from."""
+    cfg, place = job.cfg, job.place
+    job.run_dir = Path(distributed.broadcast_object(str(job.run_dir), place))
+    distributed.agree(_attempt(check_writable, job.run_dir)[1] if place.is_main else None, place)
+    error = None
     if place.is_main:
-        lock, error = _attempt(claim, run_dir, resume)
+        lock, error = _attempt(claim, job.run_dir, job.resume)
         held += [lock] if lock else []
     distributed.agree(error if place.is_main else None, place)
-
-    shards = int(cfg.parallel.spatial_shards)
-    if shards > 1 and not place.joined:
-        raise ConfigError(f"parallel.spatial_shards={shards}: one process cannot split a volume; launch "
-                          f"{shards} ranks per volume (torchrun --nproc-per-node={shards} -m scaffold.train ...)")
-    mesh = spatial.make_mesh(place.rank, place.world, shards, device.type, cfg.parallel.timeout_s)
-    sg = mesh.shards
-    n_train, _ = dataset_sizes(cfg.data)
-    if mesh.data_world > n_train:
-        raise ConfigError(f"world size {place.world}: more data-parallel ranks ({mesh.data_world}) than the "
-                          f"{n_train} training volumes")
-    state = None
-    original_overrides, resumes = list(overrides or []), []
-    if resume:
+    job.mesh = spatial.make_mesh(place.rank, place.world, job.plan.spatial_shards, job.plan.device.type,
+                                 cfg.parallel.timeout_s)
+    if job.resume:
         try:
-            state, ckpt_path = checkpoint.load_latest(run_dir / "checkpoints")
-            log.info("resuming from %s (epoch %d)", ckpt_path, state["epoch"])
+            job.state, job.ckpt_path = checkpoint.load_latest(job.run_dir / CHECKPOINT_DIR)
+            log.info("resuming from %s (epoch %d)", job.ckpt_path, job.state["epoch"])
         except checkpoint.NoCheckpoint as e:
             # Stopped before its first checkpoint reached the disk (written in the background): every
             # random stream is seeded, so starting over gives the bits of a run that never stopped.
             log.warning("%s: the run starts over from epoch 1", e)
 
-    # ---- data: one rank per node generates (or reuses, verified; or repairs) the dataset, the others
-    # then read it, verified too
+
+def _load_data(job: Job) -> None:
+    """One rank per node generates (or reuses, verified; or repairs) the dataset, the others then read
+    it, verified too; a sharded rank reads only its slab."""
     from scaffold.data import store
 
+    cfg, place, sg = job.cfg, job.place, job.mesh.shards
     t0 = time.perf_counter()
     leader = place.local_rank == 0
-    slab = (sg.index, sg.count) if sg is not None else None  # a sharded rank reads only its planes
+    slab = (sg.index, sg.count) if sg is not None else None
     data, error = _attempt(store.load, cfg.data, cfg.scale, cfg.seed, progress=cfg.progress and place.is_main,
                            slab=slab) if leader else (None, None)
     distributed.agree(error, place)
     if not leader:
         data = store.load(cfg.data, cfg.scale, cfg.seed, progress=False, repair=False, slab=slab)
-    path, info, train_masks, val_masks = data
-    del data
-    data_seconds = time.perf_counter() - t0
+    job.data = data
+    path, info = data[0], data[1]
+    job.startup["dataset_s"] = time.perf_counter() - t0
     log.info("dataset %s: %d train + %d validation volumes of %d³, %d classes (%.1f s)", path,
-             info.n_train, info.n_val, info.edge, info.n_classes, data_seconds)
-
+             info.n_train, info.n_val, info.edge, info.n_classes, job.startup["dataset_s"])
     # Triton's compiled kernels beside the datasets: one folder to keep (or mount into a container)
     # makes a later run on the machine start warm. A TRITON_CACHE_DIR of the user's wins.
     os.environ.setdefault("TRITON_CACHE_DIR", str(store.cache_dir(cfg.data.cache_dir) / "triton"))
 
-    # ---- model, loss, volumes on the device
-    t_model = time.perf_counter()
+
+def _build(job: Job, stop: StopRequest) -> None:
+    """The model (initialised on the CPU: the same start on any device), the loss, the volumes on the
+    device and the trainer, as the plan says."""
     from scaffold.loss import SegmentationLoss, check_labels, class_weights, sampled_counts
-    from scaffold.model.ladder import census, format_census
     from scaffold.model.unet import UNet3d
 
+    cfg, place, plan, sg = job.cfg, job.place, job.plan, job.mesh.shards
+    t0 = time.perf_counter()
+    path, info, train_masks, val_masks = job.data
+    job.data = (path, info)
     determinism.seed_all(cfg.seed)
-    model = UNet3d.from_config(cfg, info.n_classes)  # initialised on the CPU: same start on any device
-    model = model.to(device)
-    if device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last_3d)
+    model = UNet3d.from_config(cfg, info.n_classes, plan).to_device(plan.device)
     spatial.shard_model(model, sg)
     fraction = float(cfg.data.ce_weight_sample_fraction)
     counts = info.class_counts if fraction >= 1 else sampled_counts(train_masks, fraction, info.n_classes)
     if fraction < 1 and sg is not None:  # each rank counted its slab: the volumes' counts are the sum
-        counts = spatial.all_sum(torch.from_numpy(counts).to(device), sg).cpu().numpy()
-    loss_fn = SegmentationLoss(class_weights(counts), rung=cfg.ladder.loss).to(device)
+        counts = spatial.all_sum(torch.from_numpy(counts).to(plan.device), sg).cpu().numpy()
+    loss_fn = SegmentationLoss(class_weights(counts), rung=cfg.ladder.loss).to(plan.device)
     train, val = torch.from_numpy(train_masks), torch.from_numpy(val_masks)
+    del train_masks, val_masks
     check_labels(train, info.n_classes)  # once per dataset, never inside the step
     check_labels(val, info.n_classes)
-    volumes = Volumes(*place_masks(cfg.data_placement, train, val, device),
-                      torch.from_numpy(info.palette).to(device))
+    volumes = Volumes(*place_masks(plan, train, val), torch.from_numpy(info.palette).to(plan.device))
     ddp = None
-    if place.joined:
+    if plan.data_parallel:
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[plan.device.index] if plan.device.type == "cuda" else None)
     step_loss = spatial.ShardedLoss(loss_fn, sg) if sg is not None else loss_fn
-    trainer = Trainer(cfg, model, step_loss, volumes, device, run_dir, place, ddp, mesh=mesh)
+    trainer = Trainer(cfg, model, step_loss, volumes, plan.device, job.run_dir, place, ddp, mesh=job.mesh,
+                      plan=plan)
     trainer.stop = stop
-    n_params = sum(p.numel() for p in model.parameters())
+    job.model, job.ddp, job.trainer = model, ddp, trainer
+    job.n_params = sum(p.numel() for p in model.parameters())
 
     def on_first_step():
+        from scaffold.model.ladder import census, format_census
+
         c = census(model, loss_fn)
+        c["plan"] = plan.record()
         log.info("kernel census after the first step:\n%s", format_census(c))
         if place.is_main:
-            write_json(run_dir / CENSUS_FILE, c)
+            write_json(job.run_dir / CENSUS_FILE, c)
 
     trainer.on_first_step = on_first_step
+    job.startup["model_s"] = time.perf_counter() - t0
 
-    # What a resume can find wrong (another model's checkpoint, a stale `best`, a lost or damaged CSV)
-    # is found and settled before the resume is recorded.
-    stats = None  # only rank 0 writes the CSV and feeds the tracker
+
+def _records(job: Job) -> None:
+    """What a resume can find wrong (another model's checkpoint, a stale `best`, a lost or damaged CSV)
+    is found and settled before the resume is recorded; then run.json (new run) or its resume history,
+    the CSV and the tracker (rank 0 only), and the check that every rank starts from the same
+    parameters."""
+    cfg, place, state = job.cfg, job.place, job.state
+    path = job.data[0]
     if state:
-        trainer.load_state(state, source=str(ckpt_path))
+        job.trainer.load_state(state, source=str(job.ckpt_path))
         if place.is_main:
-            note = checkpoint.repair_best(run_dir / "checkpoints", state, Path(ckpt_path))
+            note = checkpoint.repair_best(job.run_dir / CHECKPOINT_DIR, state, Path(job.ckpt_path))
             if note:
                 log.warning("%s", note)
+    job.tracker = NullTracker()
+    job.original_overrides = list(job.overrides)
     if place.is_main:
-        stats = StatsFile(run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0,
-                          known=state.get("rows") if state else None)
-    if place.is_main and not resume:
-        write_json(run_dir / RUN_FILE, {
-            "config": config_dict(cfg),
-            "overrides": overrides or [],
-            "scaffold": scaffold.__version__,
-            "torch": torch.__version__,
-            "device": device_name(device),
-            "world_size": place.world,
-            "spatial_shards": shards,
-            "dataset": str(path),
-            "parameters": n_params,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        })
-    elif place.is_main:  # recorded once the resume has passed every check, before it trains
-        original_overrides, resumes = record_resume(run_dir, int(state["epoch"]) if state else 0,
-                                                    Path(ckpt_path).name if state else None, overrides or [])
-    tracker = NullTracker()
-    if place.is_main:
-        tracker = make_tracker(cfg, run_dir, resume_epoch=state["epoch"] if state else 0)
-        stats.tracker = tracker
-    del state
+        job.stats = StatsFile(job.run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0,
+                              known=state.get("rows") if state else None)
+        if not job.resume:
+            write_json(job.run_dir / RUN_FILE, {
+                "config": config_dict(cfg),
+                "overrides": job.overrides,
+                "scaffold": scaffold.__version__,
+                "torch": torch.__version__,
+                "device": device_name(job.plan.device),
+                "world_size": place.world,
+                "spatial_shards": job.plan.spatial_shards,
+                "dataset": str(path),
+                "parameters": job.n_params,
+                "plan": job.plan.record(),
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            })
+        else:  # recorded once the resume has passed every check, before it trains
+            job.original_overrides, job.resumes = record_resume(
+                job.run_dir, int(state["epoch"]) if state else 0, Path(job.ckpt_path).name if state else None,
+                job.overrides)
+        job.tracker = make_tracker(cfg, job.run_dir, resume_epoch=state["epoch"] if state else 0)
+        job.stats.tracker = job.tracker
+    job.state = None
     # Every rank starts from the same parameters (DDP also broadcasts rank 0's at construction).
-    start = distributed.fingerprint(model.parameters()) if place.world > 1 else None
-    if start is not None:
+    if place.world > 1:
+        start = distributed.fingerprint(job.model.parameters())
         log.debug("rank %d: parameter fingerprint at start %s", place.rank, start)
         distributed.check_same(start, "the parameter fingerprint at start", place)
 
-    model_seconds = time.perf_counter() - t_model
-    log.info("model: UNet3d scale %d, %s parameters, on %s (%s, determinism=%s)", cfg.scale,
-             f"{n_params:,}", device, "bf16 autocast" if trainer.amp_dtype else "fp32", cfg.determinism)
-    if use_graph and cfg.cuda_graph == "auto":
-        from scaffold.model.memory import graph_plan
 
-        use_graph, line = graph_plan(cfg, device, info.n_classes, getattr(model, "recompute", "off"))
-        if not use_graph:
-            log.info("%s", line)
+def _start(job: Job) -> None:
+    """Warm-up on a copy of the model, then the graph capture where the plan says."""
+    cfg, plan, trainer = job.cfg, job.plan, job.trainer
+    log.info("model: UNet3d scale %d, %s parameters, on %s (%s, determinism=%s)", cfg.scale,
+             f"{job.n_params:,}", plan.device, "bf16 autocast" if plan.amp_dtype else "fp32", cfg.determinism)
     warm = trainer.warmup(cfg.warmup_steps)
     if cfg.warmup_steps:
         log.info("warm-up: %d untimed steps on a copy of the model, %.1f s", cfg.warmup_steps, warm)
-    captured = trainer.capture(required=cfg.cuda_graph == "on") if use_graph else 0.0
+    captured = trainer.capture(required=plan.graph_required) if plan.cuda_graph else 0.0
     if trainer.train_step.graph is not None:
         log.info("step captured as a CUDA graph (forward, loss, backward, clip, Adam), %.1f s", captured)
-    startup = {"dataset_s": data_seconds, "model_s": model_seconds, "warmup_s": warm, "capture_s": captured}
-    startup_s = time.perf_counter() - started
-    log.info("start-up %.1f s: dataset %.1f, model %.1f, warm-up %.1f, capture %.1f", startup_s,
-             data_seconds, model_seconds, warm, captured)
+    job.startup.update(warmup_s=warm, capture_s=captured)
+    job.startup = {k: job.startup.get(k, 0.0) for k in ("dataset_s", "model_s", "warmup_s", "capture_s")}
+    job.startup_s = time.perf_counter() - job.started
+    log.info("start-up %.1f s: dataset %.1f, model %.1f, warm-up %.1f, capture %.1f", job.startup_s,
+             *job.startup.values())
 
+
+def _fit(job: Job) -> Progress:
+    """The epochs; the figures and the tracker's end whatever happens."""
     try:
-        progress = trainer.fit(stats, profile=cfg.profile)
+        return job.trainer.fit(job.stats, profile=job.cfg.profile)
     finally:
-        if place.is_main:
+        if job.place.is_main:
             try:
-                tracker.log_figures(report.plot_run(run_dir, target_dice=cfg.target_dice))
+                job.tracker.log_figures(report.plot_run(job.run_dir, target_dice=job.cfg.target_dice))
             finally:
-                tracker.close()
-    result = {
-        "epochs": progress.epoch,
-        "optimizer_steps": progress.total_steps,
-        "best_epoch": progress.best_epoch,  # lowest val_loss_avg: the CSV's last row with is_best = 1
-        "best_val_loss": progress.best_val_loss,
-        "final_val_dice": progress.last_val_dice,
-        "best_val_dice": progress.best_val_dice,
-        "target_dice": cfg.target_dice,
-        # Wall clock from the first training step to the end of the epoch that reached the target,
-        # everything included (evaluation, checkpoints, logging); start-up is beside it.
-        "time_to_target_s": progress.time_to_target,
-        "target_epoch": progress.target_epoch,
-        "startup_s": startup_s,
-        "startup": startup,
-        "wall_time_s": progress.wall_time,
-        "train_time_s": progress.train_time,  # summed epoch_duration: training + evaluation only
-        "checkpoint_wait_s": trainer.writer.waited_s,  # host time spent waiting for background writes
-        "checkpoint_final_wait_s": trainer.final_wait_s,  # of which at the target epoch, for the last writes
-        # host time the epochs spent handing checkpoints over (state, snapshot enqueue, waits): with the
-        # final wait, what checkpoints cost the wall clock up to the target (like the two waits above,
-        # counted by this process: a resumed run's figure covers the epochs since the resume)
-        "checkpoint_submit_s": trainer.submit_s,
-        # CPU time and machine load beside the wall times: a slow run starved of cores (CPU well
-        # below threads x wall, high load) reads differently from one that is slow on its own.
-        "train_cpu_s": progress.cpu_time,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_avg_start": load_at_start,
-        "load_avg_end": load_average(),
-        "dataset_s": data_seconds,
-        "warmup_s": warm,
-        "cuda_graph": trainer.train_step.graph is not None,
-        "graph_capture_s": captured,
-        "overrides": original_overrides,  # those the run was started with; a resume's are in `resumes`
-        "resumes": resumes,
-    }
-    if place.is_main:
-        write_json(run_dir / RESULT_FILE, result)
-        if resume:  # a resumed sweep job: its sweep's summary.md would otherwise show the old results
-            report.refresh_summary(run_dir)
+                job.tracker.close()
+
+
+def _result(job: Job, progress: Progress) -> dict:
+    """result.json, the final line, and the teardown of the process group."""
+    cfg, trainer = job.cfg, job.trainer
+    result = asdict(Result(
+        epochs=progress.epoch, optimizer_steps=progress.total_steps, best_epoch=progress.best_epoch,
+        best_val_loss=progress.best_val_loss, final_val_dice=progress.last_val_dice,
+        best_val_dice=progress.best_val_dice, target_dice=cfg.target_dice,
+        time_to_target_s=progress.time_to_target, target_epoch=progress.target_epoch,
+        startup_s=job.startup_s, startup=job.startup, wall_time_s=progress.wall_time,
+        train_time_s=progress.train_time, checkpoint_wait_s=trainer.writer.waited_s,
+        checkpoint_final_wait_s=trainer.final_wait_s, checkpoint_submit_s=trainer.submit_s,
+        train_cpu_s=progress.cpu_time, cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+        load_avg_start=job.load_at_start, load_avg_end=load_average(), dataset_s=job.startup["dataset_s"],
+        warmup_s=job.startup["warmup_s"], cuda_graph=trainer.train_step.graph is not None,
+        graph_capture_s=job.startup["capture_s"], overrides=job.original_overrides, resumes=job.resumes,
+        plan=job.plan.record()))
+    if job.place.is_main:
+        write_json(job.run_dir / RESULT_FILE, result)
+        if job.resume:  # a resumed sweep job: its sweep's summary.md would otherwise show the old results
+            report.refresh_summary(job.run_dir)
     if progress.time_to_target is not None:
         log.info("time to target: %.2f s (val dice %.4f >= %.2f at epoch %d, %d optimizer steps; wall clock "
                  "from the first step, checkpoints included; start-up %.1f s before it); results in %s",
                  progress.time_to_target, progress.last_val_dice, cfg.target_dice, progress.target_epoch,
-                 progress.total_steps, startup_s, run_dir)
+                 progress.total_steps, job.startup_s, job.run_dir)
     else:
         log.info("target val dice %.2f not reached in %d epochs (last %.4f, best val loss at epoch %d, "
                  "%d optimizer steps, %.1f s); results in %s", cfg.target_dice, progress.epoch,
                  progress.last_val_dice, progress.best_epoch, progress.total_steps, progress.train_time,
-                 run_dir)
-    # DDP's reducer must go before its process group: destroyed afterwards (when this frame's locals
-    # are freed), it could wait forever on a group that no longer exists.
-    del trainer, ddp
+                 job.run_dir)
+    # DDP's reducer must go before its process group: destroyed afterwards (when these references are
+    # dropped), it could wait forever on a group that no longer exists.
+    job.trainer = job.ddp = job.model = None
+    del trainer
     gc.collect()
-    distributed.shutdown(place)
+    distributed.shutdown(job.place)
     return result

@@ -28,3 +28,23 @@ def test_probe_finds_a_module_that_varies(monkeypatch):
     assert res["varying"] > 0
     assert "ups.0.conv.norm1" in res["varying_per_module"]
     assert "activation/ups.0.conv.norm1" in res["varying_detail"]
+
+
+def test_ladder_vendor_puts_every_kind_on_vendor(monkeypatch, tmp_path):
+    """`--ladder vendor` sets every operator kind, the pool and the loss head included (on CUDA their
+    `auto` is Triton), and the probe's census says what ran."""
+    import scaffold.bench.determinism as bench
+    from scaffold.model.policy import OPS
+
+    seen = {}
+
+    def fake(scale, repeats, train_steps, ladder, device, base_width):
+        seen.update({op: getattr(ladder, op) for op in OPS})
+        return {"tensors": 0, "varying": 0, "varying_per_module": {}, "control": None}
+
+    monkeypatch.setattr(bench, "probe", fake)
+    assert bench.main(["--ladder", "vendor", "--out", str(tmp_path / "d.json")]) == 0
+    assert seen == {op: "vendor" for op in OPS}
+    res = probe(scale=4, repeats=1, train_steps=1, ladder=LadderConfig(**{op: "vendor" for op in OPS}),
+                device=torch.device("cpu"), base_width=8)
+    assert {op: set(res["census"][op]) for op in OPS} == {op: {"vendor"} for op in OPS}

@@ -173,7 +173,8 @@ def test_missing_kernel_module_makes_the_rung_unavailable():
 
 
 def test_config_rejects_unknown_rungs_naming_the_key_and_accepts_registered_ones(fake_rungs):
-    from scaffold.config import Config, validate
+    from scaffold.config import Config
+    from scaffold.plan import validate
 
     cfg = Config()
     cfg.ladder.conv_transpose = "fast"

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from helpers import saved_bytes, tiny_cfg
-from scaffold.config import ConfigError, validate
+from scaffold.config import ConfigError
+from scaffold import plan as run_plan
+from scaffold.plan import validate
 from scaffold.data.loader import make_input
 from scaffold.loss import SegmentationLoss
 from scaffold.model import memory
 from scaffold.model.memory import StepShape, param_count, walk
-from scaffold.model.unet import UNet3d, resolve_recompute
+from scaffold.model.unet import UNet3d
 
 
 @pytest.mark.parametrize("scale, bottleneck, width", [(4, 3, 64), (7, 3, 64), (5, 2, 16), (6, 1, 8)])
@@ -65,7 +67,7 @@ def test_recompute_lowers_the_predicted_peak_and_scale_9_needs_it():
 
 def test_auto_is_off_on_the_cpu(tmp_path):
     cfg = tiny_cfg(tmp_path, "model.recompute=auto")
-    assert resolve_recompute(cfg, 3, "cpu") == "off"
+    assert run_plan.recompute_mode(cfg, 3, "cpu")[0] == "off"
 
 
 def test_auto_turns_recompute_on_when_the_run_would_not_fit(tmp_path):
@@ -73,20 +75,20 @@ def test_auto_turns_recompute_on_when_the_run_would_not_fit(tmp_path):
                    "model.groups=8", "device=cuda")
     roomy = memory.DeviceMemory("cuda:0 (test)", 100 * memory.GiB, 140 * memory.GiB)
     tight = memory.DeviceMemory("cuda:0 (test)", 5 * memory.GiB, 140 * memory.GiB)
-    big = memory.plan_recompute(cfg, "cpu", 6, memory=roomy)
+    big = run_plan.plan_recompute(cfg, "cpu", 6, memory=roomy)
     assert big.mode == "off"
-    plan = memory.plan_recompute(cfg, "cpu", 6, memory=tight)
+    plan = run_plan.plan_recompute(cfg, "cpu", 6, memory=tight)
     assert plan.mode == "blocks" and plan.blocks.need < plan.off.need
     assert "model.recompute=auto -> blocks" in plan.line()
-    assert memory.plan_recompute(tiny_cfg(tmp_path, "model.recompute=off"), "cpu", 6, memory=tight).mode == "off"
+    assert run_plan.plan_recompute(tiny_cfg(tmp_path, "model.recompute=off"), "cpu", 6, memory=tight).mode == "off"
 
 
 def test_the_scale_check_names_the_shard_count_it_would_need(tmp_path, monkeypatch):
     """scale 11 on 140 GiB devices. With 6 levels (model.bottleneck=5) refused in one line that names a
     shard count, and accepted at it; with the default 8 levels the model alone (23 G parameters) does
     not fit on one device however the volume is split, and the line says what to change."""
-    monkeypatch.setattr(memory, "target_device", lambda setting: "cuda:0")
-    monkeypatch.setattr(memory, "device_memory",
+    monkeypatch.setattr(run_plan, "target_device", lambda setting: "cuda:0")
+    monkeypatch.setattr(run_plan, "device_memory",
                         lambda where, query_free=True: memory.DeviceMemory("cuda:0 (test)", 140 * memory.GiB,
                                                                            140 * memory.GiB))
     big = ["scale=11", "model.bottleneck=5", "model.base_width=64", "model.groups=8", "device=cuda"]
@@ -121,12 +123,12 @@ def test_the_memory_benchmark_runs_on_the_cpu(tmp_path):
 
 
 def test_graphs_give_way_to_eager_steps_only_where_they_would_not_fit(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory, "device_memory",
+    monkeypatch.setattr(run_plan, "device_memory",
                         lambda where, query_free=True: memory.DeviceMemory("cuda:0 (test)", 140 * memory.GiB,
                                                                            140 * memory.GiB))
     big = ["model.bottleneck=3", "model.base_width=64", "model.groups=8", "device=cuda"]
-    assert memory.graph_plan(tiny_cfg(tmp_path, "scale=7", *big), "cuda:0", 6, "off")[0]
-    fits, line = memory.graph_plan(tiny_cfg(tmp_path, "scale=9", *big), "cuda:0", 6, "blocks")
+    assert run_plan.graph_plan(tiny_cfg(tmp_path, "scale=7", *big), "cuda:0", 6, "off")[0]
+    fits, line = run_plan.graph_plan(tiny_cfg(tmp_path, "scale=9", *big), "cuda:0", 6, "blocks")
     assert not fits and line.endswith("cuda_graph=auto -> eager")
 
 
@@ -157,18 +159,18 @@ def test_the_recompute_line_gives_the_eager_need_where_a_graph_would_not_fit(tmp
     cfg = tiny_cfg(tmp_path, "model.recompute=auto", "scale=9", "model.bottleneck=3", "model.base_width=64",
                    "model.groups=8", "device=cuda", "data_placement=host")
     h200 = memory.DeviceMemory("cuda:0 (test)", int(139.3 * memory.GiB), int(139.8 * memory.GiB))
-    plan = memory.plan_recompute(cfg, "cuda", 6, memory=h200)
+    plan = run_plan.plan_recompute(cfg, "cuda", 6, memory=h200)
     assert plan.mode == "blocks" and plan.blocks_eager is not None
     assert plan.blocks_eager.need < h200.free < plan.blocks.need
     line = plan.line()
     assert "in eager steps" in line and "NOT to fit" not in line
     free = int(plan.blocks_eager.need / (memory.HEADROOM + 1) * 2)  # the need halfway into the headroom
     small = memory.DeviceMemory("cuda:0 (test)", free, free)
-    line = memory.plan_recompute(cfg, "cuda", 6, memory=small).line()
+    line = run_plan.plan_recompute(cfg, "cuda", 6, memory=small).line()
     assert "in eager steps" in line and "NOT to fit" not in line and "tight" in line
     # graphs off: one figure, no fallback to mention
     cfg.cuda_graph = "off"
-    assert memory.plan_recompute(cfg, "cuda", 6, memory=h200).blocks_eager is None
+    assert run_plan.plan_recompute(cfg, "cuda", 6, memory=h200).blocks_eager is None
 
 
 @pytest.mark.parametrize("scale, shards, amp, recompute", [

@@ -203,3 +203,28 @@ def test_a_failing_fused_kernel_falls_back_to_the_separate_ops_for_good(monkeypa
     assert model.ups[-1].conv.norm2.head_fallback.startswith("RuntimeError: compile failed")
     assert torch.equal(out[0], apart[0]) and torch.equal(again[0], apart[0])
     assert all(torch.equal(a, b) for a, b in zip(out[1], apart[1]))
+
+
+def test_the_census_shows_the_fused_head_and_its_fallback(monkeypatch):
+    """The fused GroupNorm + head is an implementation choice like a rung: the census lists the site
+    that ran it, and a fused pair that failed and fell back is a named fallback, not invisible."""
+    from scaffold.model.ladder import census, format_census
+
+    model = _unet()
+    x = torch.randn(1, 3, 8, 8, 8, generator=torch.Generator().manual_seed(5)).to(DEV)
+    _step(model, x)
+    c = census(model)
+    assert c["fused_head"] == ["ups.1.conv.norm2"] and c["fallbacks"] == []
+    assert "fused head      ups.1.conv.norm2" in format_census(c)
+
+    def broken(*a):
+        raise RuntimeError("compile failed")
+
+    model = _unet()
+    monkeypatch.setattr(NH, "norm_head", broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _step(model, x)
+    c = census(model)
+    assert c["fused_head"] == [] and c["fallbacks"] == ["ups.1.conv.norm2 (group_norm + head)"]
+    assert c["fallback_errors"]["ups.1.conv.norm2 (group_norm + head)"].startswith("RuntimeError: compile failed")

@@ -9,7 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from scaffold import cli, train
-from scaffold.config import OBJECTIVES, ConfigError, register
+from scaffold.cli import register
+from scaffold.config import OBJECTIVES, ConfigError
 from helpers import TINY
 from helpers import cli as run_cli
 

@@ -45,7 +45,8 @@ def test_recompute_gives_the_same_bits(autocast):
 
 def test_recompute_is_a_config_key(tmp_path):
     from helpers import tiny_cfg
-    from scaffold.config import ConfigError, validate
+    from scaffold.config import ConfigError
+    from scaffold.plan import validate
     from scaffold.model.blocks import DoubleConv
 
     cfg = tiny_cfg(tmp_path, "model.recompute=blocks", "scale=5", "model.bottleneck=2")

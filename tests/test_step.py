@@ -104,7 +104,7 @@ def test_working_copies_are_asked_for_one_process_without_recompute(tmp_path):
     the step calls the model itself and keeps its activations; not under recompute, where the copies
     would raise the step's peak (the memory model says the same)."""
     from scaffold.model import UNet3d
-    from scaffold.model.memory import shape_from_config
+    from scaffold.plan import step_shape
 
     trainer = _trainer(tmp_path)
     assert trainer.working is True
@@ -114,5 +114,5 @@ def test_working_copies_are_asked_for_one_process_without_recompute(tmp_path):
     vol = trainer.vol
     again = Trainer(cfg, model, SegmentationLoss([1.0, 2.0, 2.0]), vol, torch.device("cpu"), tmp_path)
     assert again.working is False
-    assert shape_from_config(cfg, "cuda", "blocks").working is False
-    assert shape_from_config(tiny_cfg(tmp_path), "cuda", "off").working is True
+    assert step_shape(cfg, "cuda", "blocks").working is False
+    assert step_shape(tiny_cfg(tmp_path), "cuda", "off").working is True

@@ -8,7 +8,8 @@ import pytest
 
 from helpers import tiny_cfg
 from scaffold import tracking, worker
-from scaffold.config import ConfigError, validate
+from scaffold.config import ConfigError
+from scaffold.plan import validate
 from scaffold.stats import COLUMNS, read_rows
 
 pytest.importorskip("tensorboard")

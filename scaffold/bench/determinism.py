@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from scaffold import determinism
 from scaffold.bench import write_json
 from scaffold.config import Config, LadderConfig
+from scaffold.model.policy import OPS
 
 
 def _digest(t) -> str:
@@ -60,7 +61,7 @@ def probe(scale: int, repeats: int, train_steps: int, ladder: LadderConfig, devi
     palette = torch.rand(n_classes, 3, generator=g).to(device)
     palette[0] = 0
     masks = _volume(scale, n_classes, 2, device)
-    loss_fn = SegmentationLoss(torch.linspace(0.5, 2.0, n_classes)).to(device)
+    loss_fn = SegmentationLoss(torch.linspace(0.5, 2.0, n_classes), rung=ladder.loss).to(device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     activations: dict[str, str] = {}
@@ -116,7 +117,10 @@ def probe(scale: int, repeats: int, train_steps: int, ladder: LadderConfig, devi
         w = torch.linspace(0.5, 2.0, n_classes, device=device)
         values = {F.nll_loss(lp, lab, weight=w, reduction="sum").item() for _ in range(100)}
         control = {"op": "F.nll_loss(reduction='sum')", "calls": 100, "distinct": len(values)}
+    from scaffold.model.ladder import census
+
     return {"scale": scale, "repeats": repeats, "train_steps": train_steps, "device": str(device),
+            "census": census(model, loss_fn),
             "tensors": len(seen), "varying": len(varying), "varying_per_module": dict(per_module),
             "varying_detail": varying, "control": control}
 
@@ -135,8 +139,7 @@ def main(argv=None) -> int:
     determinism.configure("default")
     scale = args.scale or (7 if cuda else 4)
     width = args.base_width or (64 if cuda else 8)
-    ladder = LadderConfig(conv=args.ladder, conv_transpose=args.ladder, group_norm=args.ladder,
-                         concat=args.ladder)
+    ladder = LadderConfig(**{op: args.ladder for op in OPS})  # every kind, the pool and the loss head too
     res = probe(scale, args.repeats, args.train_steps, ladder, device, width)
     print(f"determinism probe: scale {scale} ({2**scale}³), width {width}, {device}, {args.repeats} repeats, "
           f"{args.train_steps} training steps x2")

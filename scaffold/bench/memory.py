@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     determinism.configure("default")
     if cuda:  # as the trainer does for tight runs: expandable segments change what is reserved, not
         # what is allocated (the measured peak), and keep fragmentation from failing scale 9
-        from scaffold.model.memory import roomy_allocator
+        from scaffold.plan import roomy_allocator
 
         roomy_allocator()
     variants = [v for v in args.variants.split(",") if cuda or not v.startswith("graphed")]

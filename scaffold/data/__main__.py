@@ -9,7 +9,8 @@ from dataclasses import fields
 
 import hydra
 
-from ..config import Config, ConfigError, DataConfig, register
+from ..cli import register
+from ..config import Config, ConfigError, DataConfig
 from .store import data_key, prepare, read_info
 
 _REPO_CONF = pathlib.Path(__file__).resolve().parents[2] / "conf"

@@ -116,6 +116,12 @@ def split_sizes(n_volumes: int, val_fraction: float) -> tuple[int, int]:
     return n_volumes - n_val, n_val
 
 
+def dataset_sizes(data) -> tuple[int, int]:
+    """(n_train, n_val) that a data config will produce, without generating anything."""
+    n_volumes = data.n_categories * (data.n_instances // data.fractals_per_volume)
+    return split_sizes(n_volumes, float(data.val_fraction))
+
+
 def plan_dataset(data_cfg, scale: int, seed: int, classes: np.ndarray) -> Plan:
     """Assign instances to volumes (see the module docstring); raises ConfigError if too few."""
     per_volume = int(data_cfg.fractals_per_volume)

@@ -234,6 +234,7 @@ class FastGroupNorm(LadderSite, nn.GroupNorm):
             else:
                 self.rungs_ran.add(policy.TRITON)
                 head.rungs_ran.add(policy.TRITON)
+                self.fused_head_ran = True
                 return out
         return head(self(x))
 
@@ -315,7 +316,7 @@ def _sites(*modules: nn.Module):
 
 def ladder_settings(ladder: Any) -> dict[str, str]:
     """Setting per operator kind from a LadderConfig (None = all auto; a missing field = auto). The
-    values are checked by scaffold.config.validate against policy.settings."""
+    values are checked by scaffold.plan.validate against policy.settings."""
     return {op: getattr(ladder, op, AUTO) if ladder is not None else AUTO for op in OPS}
 
 
@@ -336,12 +337,17 @@ def census(*modules: nn.Module) -> dict:
     """Which rung each site of `modules` ran: counts per kind, the sites that fell back, and detail.
 
     A site that ran several rungs (different shapes, or before and after a fallback) is listed as
-    'a+b' and counted under each; one that has not run yet is 'none'."""
+    'a+b' and counted under each; one that has not run yet is 'none'. Beside the rungs: the GroupNorm
+    sites that ran fused with the 1x1x1 head (`fused_head`; a fused pair that failed and fell back to
+    the separate ops is a fallback named `<site> (group_norm + head)`), and the sites that run on a
+    spatially split volume (`sharded`: halo'd convolutions, slab GroupNorms)."""
     out: dict[str, Any] = {op: {} for op in OPS}
     sites: dict[str, str] = {}
     fallbacks: list[str] = []
     errors: dict[str, str] = {}
     unsupported: dict[str, str] = {}
+    fused_head: list[str] = []
+    sharded: list[str] = []
     for name, m in _sites(*modules):
         if m.unsupported is not None:
             unsupported[name] = f"{m.ladder_setting} does not support {m.unsupported}"
@@ -352,6 +358,15 @@ def census(*modules: nn.Module) -> dict:
         if m.fallback_error is not None:
             fallbacks.append(name)
             errors[name] = m.fallback_error
+        if getattr(m, "head_fallback", None):
+            fallbacks.append(f"{name} (group_norm + head)")
+            errors[fallbacks[-1]] = m.head_fallback
+        if getattr(m, "fused_head_ran", False):
+            fused_head.append(name)
+        if getattr(m, "shards", None) is not None:
+            sharded.append(name)
+    out["fused_head"] = fused_head
+    out["sharded"] = sharded
     out["fallbacks"] = fallbacks
     out["fallback_errors"] = errors
     out["unsupported"] = unsupported  # sites a forced setting could not run (they ran vendor)
@@ -366,6 +381,11 @@ def format_census(c: dict) -> str:
         counts = c.get(op, {})
         text = "  ".join(f"{rung} {n}" for rung, n in sorted(counts.items())) or "-"
         lines.append(f"  {op:<16}{text}")
+    lines.append(f"  {'fused head':<16}{', '.join(c.get('fused_head') or []) or 'none'}")
+    if c.get("sharded"):
+        lines.append(f"  {'sharded sites':<16}{len(c['sharded'])} (halo'd convolutions, slab GroupNorms)")
+    if c.get("plan"):
+        lines.append(f"  {'optimizer':<16}{c['plan'].get('optimizer')}")
     if c.get("fallbacks"):
         lines.append("  fallbacks:")
         errors = c.get("fallback_errors", {})

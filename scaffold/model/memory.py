@@ -1,5 +1,5 @@
-"""The training step's memory, predicted from the model's shapes: what `model.recompute=auto` and the
-scale check in `scaffold.config.validate` decide by.
+"""The training step's memory, predicted from the model's shapes: the byte model that
+`model.recompute=auto`, `cuda_graph=auto` and the scale check (scaffold.plan) decide by.
 
 The step is written down as the list of operations the U-Net runs (convolutions, GroupNorm+ReLU, pool,
 transposed conv, concat, the loss head), each with the bytes of the tensors it creates and of those its
@@ -41,6 +41,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Optional
+
+from scaffold.model.grid import level_grid
 
 GiB = 1 << 30
 # Share of the free memory a plan may use: the caching allocator rounds blocks up and fragments, and a
@@ -107,11 +109,9 @@ class StepShape:
 
     def grid(self, level: int) -> Optional[tuple[int, int]]:
         """(D blocks, H blocks) of `level`'s tensors, None where they are whole on every device
-        (scaffold.spatial.level_grid: D while each block keeps a plane, then D and H)."""
+        (scaffold.model.grid.level_grid: D while each block keeps a plane, then D and H)."""
         if self.depth_shards <= 1:
             return None
-        from scaffold.spatial import level_grid
-
         g = level_grid(2 ** (self.scale - level), self.depth_shards)
         return None if g is None else (g.pd, g.ph)
 
@@ -622,47 +622,7 @@ def _largest_param(s: StepShape) -> int:
     return 27 * w * w
 
 
-# --- from a config, and the device's memory -------------------------------------------------------
-
-def dataset_bytes(cfg: Any) -> int:
-    """The masks of the whole dataset (uint8), which the trainer keeps on the device."""
-    from scaffold.config import dataset_sizes
-
-    return sum(dataset_sizes(cfg.data)) * (2**cfg.scale) ** 3
-
-
-def masks_on_device(cfg: Any, device: str, capacity: int) -> int:
-    """Bytes of masks the trainer keeps on the device: the dataset's (each shard's slab of it) when
-    `data_placement` puts them there (auto: at most a tenth of the device), else none."""
-    if device != "cuda":
-        return 0
-    placement = getattr(cfg, "data_placement", "auto")
-    total = dataset_bytes(cfg)
-    if placement == "host" or (placement == "auto" and total > capacity // 10):
-        return 0
-    return total
-
-
-def shape_from_config(cfg: Any, device: str, recompute: str = "off", n_classes: Optional[int] = None,
-                      data_bytes: Optional[int] = None, capacity: Optional[int] = None) -> StepShape:
-    """The step of a training config on `device` ("cuda" or "cpu"): precision, rungs, CUDA graph,
-    spatial shards and the masks' placement as the trainer resolves them (`capacity`: the device's
-    bytes, for `data_placement=auto`; data_bytes overrides the masks' bytes)."""
-    m = cfg.model
-    amp = cfg.precision == "bf16" or (cfg.precision == "auto" and device == "cuda")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: DDP, whose step is not captured
-    shards = int(getattr(getattr(cfg, "parallel", None), "spatial_shards", 1) or 1)
-    graph = device == "cuda" and cfg.cuda_graph != "off" and world == 1 and shards == 1
-    # The slab GroupNorm saves what the fused rungs save (its input and the statistics).
-    fused = device == "cuda" and getattr(cfg.ladder, "group_norm", "auto") != "vendor"
-    if data_bytes is None:
-        data_bytes = masks_on_device(cfg, device, capacity if capacity is not None else 1 << 62)
-    return StepShape(cfg.scale, m.bottleneck, m.base_width, m.groups, 3,
-                     n_classes if n_classes is not None else cfg.data.n_categories + 1, cfg.batch_size,
-                     amp, device, fused, recompute, graph, data_bytes, world > 1,
-                     device == "cuda" and world == 1, shards,
-                     head_on_vendor=getattr(cfg.ladder, "conv", "auto") == "vendor")
-
+# --- the device's memory --------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class DeviceMemory:
@@ -690,171 +650,3 @@ def device_memory(device: Any, query_free: bool = True) -> DeviceMemory:
     total = os.sysconf("SC_PHYS_PAGES") * page
     free = os.sysconf("SC_AVPHYS_PAGES") * page if query_free else total
     return DeviceMemory("cpu", int(free), int(total))
-
-
-# --- recompute=auto ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RecomputePlan:
-    mode: str  # "off" | "blocks"
-    setting: str  # what the config asked: off | blocks | auto
-    off: Estimate
-    blocks: Estimate
-    memory: DeviceMemory
-    blocks_eager: Optional[Estimate] = None  # with recompute, eager steps: where cuda_graph=auto may fall back
-
-    @property
-    def chosen(self) -> Estimate:
-        return self.blocks if self.mode == "blocks" else self.off
-
-    def line(self) -> str:
-        """One start-up line: the prediction, the free memory and the choice."""
-        g = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
-        need = self.chosen.need
-        with_ = f"~{g(self.blocks.need)} with"
-        if self.blocks_eager is not None:  # the graphed figures, and the eager fallback's
-            with_ += f" (as a CUDA graph; ~{g(self.blocks_eager.need)} in eager steps)"
-            if self.mode == "blocks":
-                need = min(need, self.blocks_eager.need)
-        if need <= self.memory.free * HEADROOM:
-            fits = ""
-        elif need <= self.memory.free:
-            fits = f" (tight: past {HEADROOM:.0%} of the free memory)"
-        else:
-            fits = " (predicted NOT to fit)"
-        return (f"memory: the run needs ~{g(self.off.need)} without recompute, {with_}; "
-                f"{g(self.memory.free)} free on {self.memory.name}: model.recompute={self.setting} -> "
-                f"{self.mode}{fits}")
-
-
-def choose(setting: str, off: Estimate, memory: DeviceMemory) -> str:
-    """`auto`: recompute only where the run would not fit in the free memory (never on the CPU, whose
-    memory the operating system extends by swapping rather than failing)."""
-    if setting != "auto":
-        return setting
-    if memory.name == "cpu" or off.need <= memory.free * HEADROOM:
-        return "off"
-    return "blocks"
-
-
-def plan_recompute(cfg: Any, device: Any, n_classes: Optional[int] = None,
-                   memory: Optional[DeviceMemory] = None, data_bytes: Optional[int] = None,
-                   evaluate: bool = True, warmup: Optional[bool] = None) -> RecomputePlan:
-    """What `model.recompute` resolves to for a config on a device, free memory queried now unless
-    given. By default the run is the trainer's (its dataset on the device, evaluation, warm-up copy);
-    a benchmark passes its own data bytes and evaluate=False, warmup=False."""
-    import torch
-
-    device = torch.device(device)
-    memory = memory if memory is not None else device_memory(device)
-    warmup = cfg.warmup_steps > 0 if warmup is None else warmup
-    off = estimate(shape_from_config(cfg, device.type, "off", n_classes, data_bytes, memory.total),
-                   evaluate, warmup)
-    blocks = estimate(replace(off.shape, recompute="blocks"), evaluate, warmup)
-    eager = None
-    if blocks.shape.graph and getattr(cfg, "cuda_graph", "") == "auto":
-        eager = estimate(replace(blocks.shape, graph=False), evaluate, warmup)
-    setting = getattr(cfg.model, "recompute", "auto")
-    return RecomputePlan(choose(setting, off, memory), setting, off, blocks, memory, eager)
-
-
-# --- the scale check ---------------------------------------------------------------------------------
-
-def target_device(setting: Any) -> Optional[str]:
-    """The device a run with `device=setting` would use from this process, or None where that device
-    is not visible here (device=cuda on a host without one: the run's own validation checks it)."""
-    import torch
-
-    setting = str(setting)
-    if setting == "cpu":
-        return "cpu"
-    if not torch.cuda.is_available():
-        return "cpu" if setting == "auto" else None
-    if setting.startswith("cuda:"):
-        return setting
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-
-
-def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 12) -> Optional[int]:
-    """The fewest shards (a power of two) over which each device's share of the run is predicted to
-    fit with recompute (strictly: this is the count to advise, not the scale check's tolerant test);
-    else the fewest that pass the scale check; None if no split does (the parameters and Adam state,
-    which every shard holds whole, do not fit)."""
-    needs = {}
-    n = 2
-    while n <= min(most, 2**s.scale):
-        # sharded: no CUDA graph (as shape_from_config has it)
-        needs[n] = estimate(replace(s, depth_shards=n, graph=False), warmup=warmup).need
-        if needs[n] <= capacity:
-            return n
-        n *= 2
-    return next((n for n, need in needs.items() if _fits(need, capacity)), None)
-
-
-def _fits(need: int, capacity: int) -> bool:
-    """The scale check's test: only what surely does not fit is refused (see TOLERANCE)."""
-    return need * (1 - TOLERANCE) <= capacity
-
-
-def check_scale(cfg: Any) -> None:
-    """ConfigError (one line) when a training config cannot fit on its device even with recompute.
-    Cheap: shapes only, no allocation, no CUDA context (the device's total memory, not its free)."""
-    from scaffold.config import ConfigError
-
-    where = target_device(cfg.device)
-    if where is None:
-        return
-    memory = device_memory(where, query_free=False)
-    s = shape_from_config(cfg, where.split(":")[0], "blocks", capacity=memory.total)
-    if s.graph and cfg.cuda_graph == "auto":  # the trainer falls back to eager steps where only they fit
-        s = replace(s, graph=False)
-    warmup = cfg.warmup_steps > 0
-    need = estimate(s, warmup=warmup).need
-    if _fits(need, memory.total):
-        return
-    n = shards_needed(s, memory.total, warmup)
-    if n is not None:
-        advice = f"use parallel.spatial_shards >= {n}"
-    else:
-        e = estimate(s, warmup=warmup)
-        whole = (e.params + e.grads + e.adam) / GiB
-        advice = (f"no split of the volume fits either: every rank holds the whole model, and its parameters, "
-                  f"gradients and Adam state alone are {whole:.0f} GiB; raise model.bottleneck (fewer "
-                  f"levels, fewer parameters)")
-    raise ConfigError(f"scale={cfg.scale} needs ~{need / GiB:.0f} GiB per device with recompute "
-                      f"(batch_size={cfg.batch_size}, {s.data_bytes / GiB:.1f} GiB of masks on it); this device "
-                      f"({memory.name}) has {memory.total / GiB:.0f} GiB: {advice}")
-
-
-def roomy_allocator() -> bool:
-    """Let the CUDA caching allocator grow its segments in place (expandable segments) instead of
-    leaving freed blocks of other sizes reserved but unusable: for runs the memory model finds tight,
-    where that fragmentation (22 GiB measured at scale 9) decides between fitting and not. Only when the
-    user has not configured the allocator (PYTORCH_CUDA_ALLOC_CONF), and before anything is allocated.
-    Allocation only: no numerics change. Returns whether it was set."""
-    import torch
-
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or not torch.cuda.is_available():
-        return False
-    if torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
-        return False
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.12's name
-    (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
-    return True
-
-
-def graph_plan(cfg: Any, device: Any, n_classes: int, recompute: str) -> tuple[bool, str]:
-    """(whether a CUDA-graph step fits, one line saying so) for `cuda_graph=auto`: a graph's pool stays
-    reserved between replays, so evaluation and Adam's temporaries come on top of the step's peak;
-    eager steps share one pool. Graphs are kept unless they would not fit and eager steps need less."""
-    memory = device_memory(device, query_free=False)
-    s = shape_from_config(cfg, "cuda", recompute, n_classes, capacity=memory.total)
-    warmup = cfg.warmup_steps > 0
-    graphed = estimate(replace(s, graph=True), warmup=warmup).need
-    eager = estimate(replace(s, graph=False), warmup=warmup).need
-    room = memory.total * HEADROOM
-    fits = graphed <= room or graphed <= eager  # where neither fits, the smaller need has the better chance
-    line = (f"memory: a CUDA-graph step needs ~{graphed / GiB:.0f} GiB (its pool stays reserved beside "
-            f"evaluation), eager steps ~{eager / GiB:.0f} GiB, of {memory.total / GiB:.0f} GiB on "
-            f"{memory.name}: cuda_graph=auto -> {'graph' if fits else 'eager'}")
-    return fits, line

@@ -7,13 +7,12 @@ halving it again, and a 1×1×1 head (w → classes). At scale 7 with the defaul
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
-from scaffold.config import check_model
+from scaffold.model.grid import check_model
 from scaffold.model.blocks import BLOCK, CONVS, KEEP, DoubleConv, Down, Up
 from scaffold.model.ladder import FastConv3d, set_ladder
 
@@ -23,7 +22,8 @@ RECOMPUTE = ("off", "blocks")
 
 class UNet3d(nn.Module):
     def __init__(self, scale: int, bottleneck: int = 3, base_width: int = 64, groups: int = 8,
-                 in_channels: int = 3, n_classes: int = 6, ladder: Optional[Any] = None):
+                 in_channels: int = 3, n_classes: int = 6, ladder: Optional[Any] = None,
+                 skip_rooms: bool = True, fuse_head: bool = True):
         super().__init__()
         widths = check_model(scale, bottleneck, base_width, groups)
         if in_channels < 1 or n_classes < 2:
@@ -37,13 +37,14 @@ class UNet3d(nn.Module):
         set_ladder(self, ladder)
         self.recompute = "off"
         # Skips written with room for the decoder's half of their concat (_skip_rooms): the same values,
-        # half the concat's copying. A plain attribute, outside the state dict; tests turn it off.
-        self.skip_rooms = True
+        # half the concat's copying. A plain attribute, outside the state dict (the run's plan decides it).
+        self.skip_rooms = skip_rooms
         # The last GroupNorm + ReLU and the head fused (_fuse_head; the order of two sums differs from the
         # separate ops'): on the H200 its kernels take ~0.7 ms of the scale-7 step where the separate ops
         # take ~1.2, and the tail keeps no normalized tensor (0.25 GiB less at scale 7). A plain
-        # attribute, outside the state dict; tests and bench.minibatch's +separatehead turn it off.
-        self.fuse_head = True
+        # attribute, outside the state dict (the run's plan decides it; bench.minibatch's +separatehead
+        # turns it off).
+        self.fuse_head = fuse_head
 
     def set_recompute(self, mode) -> "UNet3d":
         """`off` or `blocks` (True/False too); the same bits either way. `blocks`: the stem's and each
@@ -66,13 +67,19 @@ class UNet3d(nn.Module):
         return self
 
     @classmethod
-    def from_config(cls, cfg: Any, n_classes: int, device: Any = None) -> "UNet3d":
-        """From a scaffold.config.Config (or any object with the same attributes). `model.recompute` is
-        applied; `auto` is decided by the memory model for the run's device (`device`, else the
-        config's), in one log line."""
+    def from_config(cls, cfg: Any, n_classes: int, plan: Any = None) -> "UNet3d":
+        """From a scaffold.config.Config (or any object with the same attributes): its shape and ladder
+        keys, and the run's decisions from `plan` (a scaffold.plan.RunPlan: recompute, skip rooms, the
+        fused head). Without a plan, `model.recompute` as set (`auto` counts as off: deciding it is the
+        plan's job, from the device's memory)."""
         m = cfg.model
-        model = cls(cfg.scale, m.bottleneck, m.base_width, m.groups, 3, n_classes, cfg.ladder)
-        return model.set_recompute(resolve_recompute(cfg, n_classes, device))
+        if plan is None:
+            recompute, rooms, fuse = {"auto": "off"}.get(m.recompute, m.recompute), True, True
+        else:
+            recompute, rooms, fuse = plan.recompute, plan.skip_rooms, plan.fuse_head
+        model = cls(cfg.scale, m.bottleneck, m.base_width, m.groups, 3, n_classes, cfg.ladder,
+                    skip_rooms=rooms, fuse_head=fuse)
+        return model.set_recompute(recompute)
 
     def to_device(self, device: torch.device | str) -> "UNet3d":
         """Moves the model; on CUDA also to channels-last (NDHWC), the layout our kernels want."""
@@ -125,25 +132,3 @@ class UNet3d(nn.Module):
                or shards is not None or torch.compiler.is_compiling())
         widths = [self.inc.conv2.out_channels] + [d.conv.conv2.out_channels for d in self.downs]
         return [0 if off or level == self.levels else w for level, w in enumerate(widths)]
-
-
-def resolve_recompute(cfg: Any, n_classes: int, device: Any = None) -> str:
-    """`model.recompute` as a mode: off and blocks as they are; auto from the memory model on the run's
-    device (never on the CPU), with one log line saying why."""
-    setting = getattr(getattr(cfg, "model", None), "recompute", "off")
-    if setting != "auto":
-        return setting
-    from scaffold.model.memory import plan_recompute, target_device
-
-    where = device if device is not None else target_device(getattr(cfg, "device", "auto"))
-    if where is None or torch.device(where).type != "cuda":
-        return "off"
-    plan = plan_recompute(cfg, where, n_classes)
-    logging.getLogger("scaffold").info("%s", plan.line())
-    if plan.mode == "blocks":  # a tight run: fragmentation must not decide whether it fits
-        from scaffold.model.memory import roomy_allocator
-
-        if roomy_allocator():
-            logging.getLogger("scaffold").info("memory: expandable allocator segments (PYTORCH_CUDA_ALLOC_CONF "
-                                               "unset)")
-    return plan.mode
