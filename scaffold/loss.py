@@ -20,14 +20,15 @@ voxel counts, computed on the host once.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from scaffold.model.ladder import LadderSite
-from scaffold.model.policy import LossCall
+from scaffold.model.policy import VENDOR, LossCall
 
 EPS = 1e-6
 
@@ -101,6 +102,7 @@ class SegmentationLoss(LadderSite, nn.Module):
             raise ValueError(f"loss weights: expected >= 2 finite positive values, got {w.tolist()}")
         self.register_buffer("weight", w)
         self.eps = eps
+        self.reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # see `split`
 
     @classmethod
     def from_counts(cls, counts: Sequence[int] | np.ndarray, eps: float = EPS) -> "SegmentationLoss":
@@ -124,23 +126,57 @@ class SegmentationLoss(LadderSite, nn.Module):
         nll = -wy * torch.where(target, logp, 0.0).sum(1)
         return nll, wy, logp[:, 1:].exp(), target[:, 1:]
 
-    def _dice(self, p: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Soft Dice per sample, averaged over the foreground classes: (N,)."""
+    # The loss in three steps, written once: partial sums over the voxels this process holds, an
+    # optional sum of those over the ranks that share a split volume (`reduce`, fixed rank order), then
+    # the formulas. One process skips the middle step and sums exactly as the formulas' inputs need.
+
+    def _dice_sums(self, p: torch.Tensor, target: torch.Tensor):
+        """Per sample and foreground class: (intersection, prediction sum, target count)."""
         dims = (2, 3, 4)
-        inter = (p * target).sum(dims)
-        present = target.sum(dims)
-        dice = (2 * inter + self.eps) / (p.sum(dims) + present + self.eps)
+        return (p * target).sum(dims), p.sum(dims), target.sum(dims)
+
+    def _dice(self, inter: torch.Tensor, psum: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """Soft Dice per sample from its sums, averaged over the foreground classes (a class absent from
+        the target scores 1): (N,)."""
+        dice = (2 * inter + self.eps) / (psum + present + self.eps)
         return torch.where(present > 0, dice, torch.ones_like(dice)).mean(1)
+
+    def _sums(self, logits: torch.Tensor, labels: torch.Tensor, per_sample: bool):
+        """(weighted NLL sum, its normaliser, Dice sums): over the batch, or per sample."""
+        nll, wy, p, target = self._voxel_terms(logits, labels)
+        if per_sample:
+            nll, wy = nll.sum((1, 2, 3)), wy.sum((1, 2, 3))
+        else:
+            nll, wy = nll.sum(), wy.sum()
+        sums = (nll, wy, *self._dice_sums(p, target))
+        if self.reduce is None:
+            return sums
+        # A split volume: each rank's sums, added over its shard group in rank order in one collective.
+        parts = [t.reshape(-1).to(torch.float32) for t in sums]
+        total = torch.split(self.reduce(torch.cat(parts)), [t.numel() for t in parts])
+        return tuple(t.view(s.shape) for t, s in zip(total, sums))
+
+    def split(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> "SegmentationLoss":
+        """This loss over a volume split across ranks: `reduce` sums a tensor of partial sums over the
+        ranks that share the volume (scaffold.spatial.all_sum over the shard group). Runs the eager
+        formulas (the fused kernel sees one rank's voxels only); shares the class weights and the
+        census record with this loss."""
+        other = copy.copy(self)
+        other.reduce = reduce
+        return other
 
     def terms(self, logits: torch.Tensor, labels: torch.Tensor):
         """(loss, ce, soft Dice per sample (N,)), all fp32 device tensors, on the rung the policy picks."""
         check_shapes(logits, labels, self.n_classes)
+        if self.reduce is not None:
+            self.rungs_ran.add(VENDOR)  # the eager formulas, for the census
+            return self._eager(logits, labels)
         return self._run(LossCall(logits, labels, self.weight, self.eps), lambda: self._eager(logits, labels))
 
     def _eager(self, logits: torch.Tensor, labels: torch.Tensor):
-        nll, wy, p, target = self._voxel_terms(logits, labels)
-        ce = nll.sum() / wy.sum()
-        dice = self._dice(p, target)
+        nll, wy, inter, psum, present = self._sums(logits, labels, per_sample=False)
+        ce = (nll / wy).reshape(())
+        dice = self._dice(inter, psum, present)
         return ce + (1 - dice.mean()), ce, dice
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -148,6 +184,5 @@ class SegmentationLoss(LadderSite, nn.Module):
 
     def per_sample(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss of each sample on its own: (N,)."""
-        nll, wy, p, target = self._voxel_terms(logits, labels)
-        ce = nll.sum((1, 2, 3)) / wy.sum((1, 2, 3))
-        return ce + (1 - self._dice(p, target))
+        nll, wy, inter, psum, present = self._sums(logits, labels, per_sample=True)
+        return nll / wy + (1 - self._dice(inter, psum, present))

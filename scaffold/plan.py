@@ -28,7 +28,7 @@ from scaffold.config import ConfigError, expect
 from scaffold.distributed import Place
 from scaffold.model.memory import GiB, HEADROOM, TOLERANCE, DeviceMemory, Estimate, StepShape, device_memory, \
     estimate
-from scaffold.step import OPTIMIZERS, amp_dtype, optimizer_kind, wants_graph
+from scaffold.step import amp_dtype, optimizer_kind, wants_graph
 
 log = logging.getLogger("scaffold")
 

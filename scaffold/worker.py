@@ -15,6 +15,7 @@ import os
 import platform
 import tempfile
 import time
+from functools import partial
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -311,7 +312,7 @@ def _build(job: Job, stop: StopRequest) -> None:
     if plan.data_parallel:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[plan.device.index] if plan.device.type == "cuda" else None)
-    step_loss = spatial.ShardedLoss(loss_fn, sg) if sg is not None else loss_fn
+    step_loss = loss_fn.split(partial(spatial.all_sum, sg=sg)) if sg is not None else loss_fn
     trainer = Trainer(cfg, model, step_loss, volumes, plan.device, job.run_dir, place, ddp, mesh=job.mesh,
                       plan=plan)
     trainer.stop = stop

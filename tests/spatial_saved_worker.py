@@ -14,7 +14,7 @@ def main(out_dir: str, scale: int, shards: int, amp: bool, recompute: str) -> No
     from scaffold.data.loader import make_input
     from scaffold.loss import SegmentationLoss
     from scaffold.model.unet import UNet3d
-    from scaffold.spatial import ShardedLoss, make_mesh, shard_model
+    from scaffold.spatial import all_sum, make_mesh, shard_model
     from tests.helpers import saved_bytes
 
     dist.init_process_group("gloo")
@@ -24,7 +24,7 @@ def main(out_dir: str, scale: int, shards: int, amp: bool, recompute: str) -> No
     model = UNet3d(scale, 2, 8, 4, 3, 4)
     model.set_recompute(recompute)
     shard_model(model, sg)
-    loss = ShardedLoss(SegmentationLoss(torch.ones(4)), sg)
+    loss = SegmentationLoss(torch.ones(4)).split(lambda t: all_sum(t, sg))
     edge = 2**scale
     labels = torch.randint(0, 4, (2, edge, edge, edge), dtype=torch.uint8)
     lo, hi = sg.slab(edge)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int) -> None:
     from scaffold.metrics import hard_dice
-    from scaffold.spatial import ShardedLoss, all_sum, make_mesh, shard_model
+    from scaffold.spatial import all_sum, make_mesh, shard_model
     from tests.spatial_case import case
 
     dist.init_process_group("gloo")
@@ -21,7 +21,7 @@ def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int) ->
     model, loss_fn, x, labels = case(scale, bottleneck=bottleneck)
     shard_model(model, sg)
     lo, hi = sg.slab(x.shape[2])
-    sharded_loss = ShardedLoss(loss_fn, sg)
+    sharded_loss = loss_fn.split(lambda t: all_sum(t, sg))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(x[:, :, lo:hi].contiguous())
     loss, ce, dice = sharded_loss.terms(logits.float(), labels[:, lo:hi].contiguous())

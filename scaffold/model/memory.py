@@ -347,7 +347,7 @@ class _Builder:
             self.op([logits, labels], [sums], saved=(logits, labels, sums))
             return
         # log-probs, one-hot, per-voxel weights, foreground probabilities; then the Dice terms per
-        # sample and class, their mask, and the CE denominator. Over slabs (scaffold.spatial.ShardedLoss,
+        # sample and class, their mask, and the CE denominator. Over slabs (SegmentationLoss.split,
         # these formulas on every device) the CE's two sums are views of the shard group's summed
         # partials (2 + 3 per sample and class), which are kept whole.
         bc = s.batch * (c - 1)

@@ -1,0 +1,133 @@
+"""The sharded modules: a U-Net's 3×3×3 convolutions and GroupNorms on split levels turned into their
+block forms (halo'd convolutions, slab GroupNorms) by `shard_model`, in place, with the same parameters
+and state-dict keys; the census lists them (`sharded`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from scaffold.model.grid import Grid, level_grids
+from scaffold.model.ladder import VENDOR, FastConv3d, FastGroupNorm
+from scaffold.spatial.collectives import _fixed_order_sum, _layout, gather_depth, halo, redistribute
+from scaffold.spatial.mesh import ShardGroup
+
+class HaloConv3d(FastConv3d):
+    """A 3×3×3 FastConv3d (padding 1) over a block: halo, the same convolution on D + 2 planes (and
+    H + 2 rows where H is split), the block's part of its output. Same parameters and state-dict keys."""
+
+    shards: ShardGroup
+    grid: Optional[Grid] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(halo(x, self.shards, self.grid))
+        y = y[:, :, 1:-1, 1:-1] if self.grid is not None and self.grid.ph > 1 else y[:, :, 1:-1]
+        return y.contiguous(memory_format=_layout(y))
+
+
+class _SlabGroupNorm(torch.autograd.Function):
+    """GroupNorm (+ ReLU) of a D-slab with the statistics of the whole volume: per (sample, group), the
+    slab's sums added over the shard group in rank order (mean first, then squared deviations: two
+    passes, as stable as the one-device norm), fp32 throughout. Saves only its input and the (mean,
+    rstd) pairs, like the one-device rungs, and recomputes the normalized values in the backward, whose
+    two group sums are added over the shard group the same way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups: int, eps: float, relu: bool, out_dtype, sg: ShardGroup):
+        n, c = x.shape[:2]
+        v = x.float().reshape(n, groups, -1)
+        count = v.shape[2] * sg.count
+        mean = _fixed_order_sum(v.sum(2), sg) / count
+        dev = v - mean.unsqueeze(2)
+        var = _fixed_order_sum((dev * dev).sum(2), sg) / count
+        rstd = torch.rsqrt(var + eps)
+        shape = (1, c) + (1,) * (x.dim() - 2)
+        y = (dev * rstd.unsqueeze(2)).reshape(x.shape) * weight.float().view(shape) + bias.float().view(shape)
+        if relu:
+            y = y.clamp_min_(0)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.groups, ctx.relu, ctx.sg, ctx.count = groups, relu, sg, count
+        return y.to(out_dtype).contiguous(memory_format=_layout(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        n, c = x.shape[:2]
+        g = ctx.groups
+        shape = (1, c) + (1,) * (x.dim() - 2)
+        xhat = ((x.float().reshape(n, g, -1) - mean.unsqueeze(2)) * rstd.unsqueeze(2)).reshape(x.shape)
+        gy = grad.float()
+        if ctx.relu:  # the ReLU's mask from the recomputed output
+            gy = torch.where(xhat * weight.float().view(shape) + bias.float().view(shape) > 0, gy, 0.0)
+        dims = [0] + list(range(2, x.dim()))
+        grad_weight = (gy * xhat).sum(dims).to(weight.dtype)
+        grad_bias = gy.sum(dims).to(bias.dtype)
+        dxhat = (gy * weight.float().view(shape)).reshape(n, g, -1)
+        xh = xhat.reshape(n, g, -1)
+        sums = _fixed_order_sum(torch.stack([dxhat.sum(2), (dxhat * xh).sum(2)]), ctx.sg)
+        dx = (dxhat - sums[0].unsqueeze(2) / ctx.count - xh * (sums[1].unsqueeze(2) / ctx.count)) * rstd.unsqueeze(2)
+        return (dx.reshape(x.shape).to(x.dtype).contiguous(memory_format=_layout(x)), grad_weight, grad_bias,
+                None, None, None, None, None)
+
+
+class ShardedGroupNorm(FastGroupNorm):
+    """GroupNorm (+ ReLU) over a D-slab with the whole volume's statistics (see _SlabGroupNorm); the
+    output dtype follows FastGroupNorm's rule under autocast. Same parameters and state-dict keys."""
+
+    shards: ShardGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rungs_ran.add(VENDOR)  # torch's ops, for the census
+        kind = x.device.type
+        out_dtype = x.dtype
+        if torch.is_autocast_enabled(kind):
+            out_dtype = torch.get_autocast_dtype(kind) if self.autocast_output else torch.float32
+        return _SlabGroupNorm.apply(x, self.weight, self.bias, self.num_groups, self.eps, self.relu, out_dtype,
+                                    self.shards)
+
+
+def shard_model(model: torch.nn.Module, sg: Optional[ShardGroup]) -> torch.nn.Module:
+    """Turns the U-Net's 3×3×3 convolutions and GroupNorms at split levels into their block forms, in
+    place (same parameters and state-dict keys). Where a level is split differently from the one above
+    (D, then D and H), the Down block's input and the Up block's transposed convolution output move to
+    the other split (`redistribute`); where the split ends, the Down block's input is gathered whole
+    (then everything below runs whole on every rank) and the Up block's transposed convolution output
+    is cut back to the block."""
+    if sg is None or sg.count == 1:
+        return model
+    grids = level_grids(model.scale, model.levels, sg.count)
+
+    def convert(block: torch.nn.Module, grid: Grid) -> None:
+        for m in block.modules():
+            if type(m) is FastConv3d and m.kernel_size == (3, 3, 3):
+                m.__class__, m.shards, m.grid = HaloConv3d, sg, grid
+            elif type(m) is FastGroupNorm:
+                m.__class__, m.shards = ShardedGroupNorm, sg
+
+    convert(model.inc, grids[0])
+    for i, down in enumerate(model.downs):  # down i produces level i + 1 from level i
+        above, below = grids[i], grids[i + 1]
+        if below is not None:
+            convert(down, below)
+            if below != above:
+                down.register_forward_pre_hook(
+                    lambda module, args, a=above, b=below: (redistribute(args[0], sg, a, b),))
+        elif above is not None:
+            down.register_forward_pre_hook(lambda module, args, a=above: (gather_depth(args[0], sg, a),))
+    for j, up in enumerate(model.ups):  # up j produces level L - 1 - j from level L - j
+        level = model.levels - 1 - j
+        here, below = grids[level], grids[level + 1]
+        if here is not None:
+            convert(up.conv, here)
+            if below is None:
+                up.up.register_forward_hook(lambda module, args, y, g=here: _own_block(y, sg, g))
+            elif below != here:
+                up.up.register_forward_hook(
+                    lambda module, args, y, a=below, b=here: redistribute(y, sg, a, b))
+    model.shards = sg
+    return model
+
+
+def _own_block(y: torch.Tensor, sg: ShardGroup, grid: Grid) -> torch.Tensor:
+    d0, d1, h0, h1 = grid.box(sg.index, y.shape[2])
+    return y[:, :, d0:d1, h0:h1].contiguous(memory_format=_layout(y))
