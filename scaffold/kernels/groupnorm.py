@@ -379,6 +379,45 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
 
 # --- launchers (tests call these directly, e.g. with NaN-poisoned `out` buffers) --------------------
 
+def statistics(x: torch.Tensor, strides: tuple, plan: Plan, G: int, eps: float):
+    """(mean, rstd), fp32 [N, G]: the forward's first two launches over x (its [N, S, C] strides)."""
+    N, C = x.shape[:2]
+    S = x[0, 0].numel()
+    f32 = dict(dtype=torch.float32, device=x.device)
+    pmean = torch.empty((N, plan.splits, C), **f32)
+    pm2 = torch.empty((N, plan.splits, C), **f32)
+    mean = torch.empty((N, G), **f32)
+    rstd = torch.empty((N, G), **f32)
+    _gn_fwd_partials_kernel[(N, plan.splits)](
+        x, pmean, pm2, S, C, plan.chunk, plan.splits, *strides,
+        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps, **plan.fwd_loop)
+    _gn_fwd_combine_kernel[(N, G)](
+        pmean, pm2, mean, rstd, S, C, G, C // G, plan.chunk, plan.splits, float(eps),
+        BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
+    return mean, rstd
+
+
+def merge_grad_sums(pg: torch.Tensor, pgx: torch.Tensor, weight: Optional[torch.Tensor],
+                    bias: Optional[torch.Tensor], plan: Plan, S: int, G: int):
+    """(c1, c2, dweight, dbias) from the backward's per-split sums of g and g·x̂ ([N, splits, C]):
+    the per-(sample, group) constants of dx and the parameters' gradients, in fixed-order sums."""
+    N, _, C = pg.shape
+    f32 = dict(dtype=torch.float32, device=pg.device)
+    sg = torch.empty((N, C), **f32)
+    sgx = torch.empty((N, C), **f32)
+    c1 = torch.empty((N, G), **f32)
+    c2 = torch.empty((N, G), **f32)
+    pdtype = weight.dtype if weight is not None else torch.float32
+    dw = torch.empty((C,), dtype=pdtype, device=pg.device)
+    db = torch.empty((C,), dtype=bias.dtype if bias is not None else pdtype, device=pg.device)
+    _gn_bwd_combine_kernel[(N, G)](
+        pg, pgx, weight if weight is not None else pg, sg, sgx, c1, c2, S, C, G, C // G, plan.splits,
+        HAS_W=weight is not None, BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
+    block = min(1024, next_pow2(C))
+    _gn_sum_over_batch_kernel[(cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
+    return c1, c2, dw, db
+
+
 def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], eps: float, relu: bool, out_dtype: torch.dtype,
             out: Optional[torch.Tensor] = None, tile: Optional[NormTile] = None):
@@ -392,17 +431,7 @@ def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
     plan = plan_for(N, C, S, G, x.device, x.dtype, tile)
     y = empty_like_layout(x, out_dtype) if out is None else out
     y_sn, y_ss, y_sc = nsc_strides(y)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    pmean = torch.empty((N, plan.splits, C), **f32)
-    pm2 = torch.empty((N, plan.splits, C), **f32)
-    mean = torch.empty((N, G), **f32)
-    rstd = torch.empty((N, G), **f32)
-    _gn_fwd_partials_kernel[(N, plan.splits)](
-        x, pmean, pm2, S, C, plan.chunk, plan.splits, x_sn, x_ss, x_sc,
-        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps, **plan.fwd_loop)
-    _gn_fwd_combine_kernel[(N, G)](
-        pmean, pm2, mean, rstd, S, C, G, C // G, plan.chunk, plan.splits, float(eps),
-        BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
+    mean, rstd = statistics(x, (x_sn, x_ss, x_sc), plan, G, eps)
     _gn_fwd_normalize_kernel[(plan.tiles, N)](
         x, y, mean, rstd, weight if weight is not None else mean, bias if bias is not None else mean,
         S, C, G, C // G, x_sn, x_ss, x_sc, y_sn, y_ss, y_sc,
@@ -424,16 +453,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
     plan = plan_for(N, C, S, G, x.device, x.dtype, tile)
     dx = empty_like_layout(x, x.dtype) if out is None else out
     o_sn, o_ss, o_sc = nsc_strides(dx)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    pg = torch.empty((N, plan.splits, C), **f32)
-    pgx = torch.empty((N, plan.splits, C), **f32)
-    sg = torch.empty((N, C), **f32)
-    sgx = torch.empty((N, C), **f32)
-    c1 = torch.empty((N, G), **f32)
-    c2 = torch.empty((N, G), **f32)
-    pdtype = weight.dtype if weight is not None else torch.float32
-    dw = torch.empty((C,), dtype=pdtype, device=x.device)
-    db = torch.empty((C,), dtype=bias.dtype if bias is not None else pdtype, device=x.device)
+    pg = torch.empty((N, plan.splits, C), dtype=torch.float32, device=x.device)
+    pgx = torch.empty_like(pg)
     w = weight if weight is not None else mean
     b = bias if bias is not None else mean
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, RELU=bool(relu))
@@ -441,11 +462,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
         x, dy, mean, rstd, w, b, pg, pgx, S, C, G, C // G, plan.chunk, plan.splits,
         x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, **flags,
         BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps, **plan.bwd_loop)
-    _gn_bwd_combine_kernel[(N, G)](
-        pg, pgx, w, sg, sgx, c1, c2, S, C, G, C // G, plan.splits, HAS_W=weight is not None,
-        BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
-    block = min(1024, next_pow2(C))
-    _gn_sum_over_batch_kernel[(cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
+    c1, c2, dw, db = merge_grad_sums(pg, pgx, weight, bias, plan, S, G)
     _gn_bwd_dx_kernel[(plan.tiles, N)](
         x, dy, dx, mean, rstd, w, b, c1, c2, S, C, G, C // G,
         x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, o_sn, o_ss, o_sc, **flags,

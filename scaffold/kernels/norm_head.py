@@ -24,9 +24,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .groupnorm import (_channel_params, _gn_bwd_combine_kernel, _gn_fwd_combine_kernel, _gn_fwd_partials_kernel,
-                        _gn_sum_over_batch_kernel, _masked_grad, _store_partials, _tile_ptrs, group_norm_supported,
-                        plan_for)
+from .groupnorm import (_channel_params, _masked_grad, _store_partials, _tile_ptrs, group_norm_supported,
+                        merge_grad_sums, plan_for, statistics)
 from .conv.gather import dot_mode, mma
 from .lib.device import triton_usable
 from .lib.indexing import cdiv, next_pow2
@@ -227,17 +226,7 @@ def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor], bi
     plan = plan_for(N, C, S, G, x.device, x.dtype)
     hw = head_weight.reshape(K, C).contiguous()
     logits = empty_channels_last((N, K) + tuple(x.shape[2:]), out_dtype, x.device)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    pmean = torch.empty((N, plan.splits, C), **f32)
-    pm2 = torch.empty((N, plan.splits, C), **f32)
-    mean = torch.empty((N, G), **f32)
-    rstd = torch.empty((N, G), **f32)
-    _gn_fwd_partials_kernel[(N, plan.splits)](
-        x, pmean, pm2, S, C, plan.chunk, plan.splits, x_sn, x_ss, x_sc,
-        BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps, **plan.fwd_loop)
-    _gn_fwd_combine_kernel[(N, G)](
-        pmean, pm2, mean, rstd, S, C, G, C // G, plan.chunk, plan.splits, float(eps),
-        BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
+    mean, rstd = statistics(x, (x_sn, x_ss, x_sc), plan, G, eps)
     _nh_fwd_kernel[(plan.tiles, N)](
         x, logits, mean, rstd, _dummy(weight, mean), _dummy(bias, mean), hw, _dummy(head_bias, hw),
         S, C, G, C // G, K, x_sn, x_ss, x_sc, *nsc_strides(logits),
@@ -269,13 +258,6 @@ def backward(dl: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], 
     pgx = torch.empty((N, plan.splits, C), **f32)
     pw = torch.empty((N, plan.splits, K, C), **f32)
     pb = torch.empty((N, plan.splits, K), **f32)
-    sg = torch.empty((N, C), **f32)
-    sgx = torch.empty((N, C), **f32)
-    c1 = torch.empty((N, G), **f32)
-    c2 = torch.empty((N, G), **f32)
-    pdtype = weight.dtype if weight is not None else torch.float32
-    dw = torch.empty((C,), dtype=pdtype, device=x.device)
-    db = torch.empty((C,), dtype=bias.dtype if bias is not None else pdtype, device=x.device)
     # The head weight's gradient in the weight's own strides (a channels-last [K, C, 1, 1, 1] weight has
     # strides (C, 1, C, C, C)): DDP compares a gradient's strides with its bucket's, size-1 dims included,
     # and warns on a mismatch. The kernel writes it through its dense [K, C] view.
@@ -290,11 +272,7 @@ def backward(dl: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], 
     _nh_bwd_partials_kernel[(N, plan.splits)](
         x, dl, mean, rstd, w, b, hw, pg, pgx, pw, pb, S, C, G, C // G, K, plan.chunk, plan.splits,
         x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, **flags, **tile, REDUCE_EACH=BWD_REDUCE_EACH)
-    _gn_bwd_combine_kernel[(N, G)](
-        pg, pgx, w, sg, sgx, c1, c2, S, C, G, C // G, plan.splits, HAS_W=flags["HAS_W"],
-        BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
-    block = min(1024, next_pow2(C))
-    _gn_sum_over_batch_kernel[(cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
+    c1, c2, dw, db = merge_grad_sums(pg, pgx, weight, bias, plan, S, G)
     hblock = max(64, next_pow2(K))  # one program's columns (the bias's K included)
     _nh_head_grads_kernel[(cdiv(K * C, hblock),)](pw, pb, dhw_full.view(K, C), dhb, N * plan.splits, K, C,
                                                    HAS_HB=head_bias is not None, BLOCK_R=64, BLOCK=hblock,
