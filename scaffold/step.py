@@ -267,7 +267,26 @@ class _restored:
         self.saved_params = self.saved_state = None
 
 
-class _StepGraph:
+class _Replay:
+    """A CUDA graph over a static mask buffer: `run(masks)` copies a batch in, replays, and returns the
+    graph's own output tensors (overwritten by the next replay)."""
+
+    masks: torch.Tensor
+    graph: torch.cuda.CUDAGraph
+    outputs: tuple
+
+    def fits(self, masks: torch.Tensor) -> bool:
+        """Whether `masks` can be replayed: the captured shape, dtype and device."""
+        m = self.masks
+        return masks.shape == m.shape and masks.dtype == m.dtype and masks.device == m.device
+
+    def run(self, masks: torch.Tensor) -> tuple:
+        self.masks.copy_(masks)
+        self.graph.replay()
+        return self.outputs
+
+
+class _StepGraph(_Replay):
     """`step(masks) -> (loss, ...)` captured for batches shaped like `example`; `run` replays it and
     returns the graph's own output tensors (see the module docstring for the rules). The warm-up runs
     real steps: the caller restores parameters and optimizer state afterwards."""
@@ -297,19 +316,8 @@ class _StepGraph:
         for p in self.params:
             p.grad = None
 
-    def fits(self, masks: torch.Tensor) -> bool:
-        """Whether `masks` can be replayed: the captured shape, dtype and device."""
-        m = self.masks
-        return masks.shape == m.shape and masks.dtype == m.dtype and masks.device == m.device
 
-    def run(self, masks: torch.Tensor) -> tuple:
-        """One whole step on `masks` (the gradients land in the leaves' `.grad`, then Adam)."""
-        self.masks.copy_(masks)
-        self.graph.replay()
-        return self.outputs
-
-
-class EvalGraph:
+class EvalGraph(_Replay):
     """`evaluate(masks) -> (per-sample loss, per-sample hard Dice)` captured as a CUDA graph for batches
     shaped like `example` (no autograd: the forward's activations are freed as it goes, so the graph's
     pool holds about the peak of one no-grad forward). The same kernels as the eager evaluation, so the
@@ -333,12 +341,3 @@ class EvalGraph:
         torch.cuda.synchronize(device)
         self.pool_bytes = torch.cuda.memory_reserved(device) - before  # an upper bound, logged
         log.info("evaluation captured as a CUDA graph (its memory pool: %.2f GiB)", self.pool_bytes / 2**30)
-
-    def fits(self, masks: torch.Tensor) -> bool:
-        m = self.masks
-        return masks.shape == m.shape and masks.dtype == m.dtype and masks.device == m.device
-
-    def run(self, masks: torch.Tensor) -> tuple:
-        self.masks.copy_(masks)
-        self.graph.replay()
-        return self.outputs

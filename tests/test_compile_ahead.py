@@ -8,6 +8,18 @@ triton = pytest.importorskip("triton")
 from scaffold.kernels.lib import ahead  # noqa: E402
 
 
+@pytest.fixture
+def cold_cuda_cache(tmp_path, monkeypatch):
+    """The GPU tests' setting: a CUDA device, a Triton with the asynchronous compile mode, and an empty
+    Triton cache of the test's own (so every kernel compiles)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not ahead.available():
+        pytest.skip("this Triton has no asynchronous compile mode")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
 def test_inside_the_block_a_launch_is_a_warmup_and_outside_it_is_not(monkeypatch):
     """The wrapper hands Triton's own `warmup` flag through, forced on while a block is open, so a
     launch compiles without running; outside a block launches run (the flag as given). A launch on
@@ -103,17 +115,12 @@ def test_not_under_the_interpreter(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_a_kernel_compiled_ahead_is_not_run_then_runs_without_compiling(tmp_path, monkeypatch):
+def test_a_kernel_compiled_ahead_is_not_run_then_runs_without_compiling(cold_cuda_cache, monkeypatch):
     """On CUDA with a cold cache: a launch in the block leaves its output untouched; after the block the
     same launch runs and compiles nothing more."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if not ahead.available():
-        pytest.skip("this Triton has no asynchronous compile mode")
     import triton.language as tl
     from triton import knobs
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
 
     @triton.jit
     def fill(out_ptr, value, n, BLOCK: tl.constexpr):
@@ -137,19 +144,14 @@ def test_a_kernel_compiled_ahead_is_not_run_then_runs_without_compiling(tmp_path
 
 
 @pytest.mark.gpu
-def test_a_backward_launch_in_the_block_compiles_on_the_pool_and_runs_nothing(tmp_path, monkeypatch):
+def test_a_backward_launch_in_the_block_compiles_on_the_pool_and_runs_nothing(cold_cuda_cache, monkeypatch):
     """The backward's kernels launch on the autograd engine's device thread: in the block they compile
     on the pool too (not one by one on that thread) and run nothing; after it they run compiled."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if not ahead.available():
-        pytest.skip("this Triton has no asynchronous compile mode")
     import threading
 
     import triton.language as tl
     from triton import knobs
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
 
     @triton.jit
     def scale_by(x_ptr, out_ptr, value, n, BLOCK: tl.constexpr):
@@ -264,19 +266,14 @@ def test_the_pool_builds_each_compiled_kernels_launcher_and_a_failed_build_costs
 
 
 @pytest.mark.gpu
-def test_launchers_are_built_in_the_block_so_the_first_launch_builds_none(tmp_path, monkeypatch):
+def test_launchers_are_built_in_the_block_so_the_first_launch_builds_none(cold_cuda_cache, monkeypatch):
     """On CUDA with a cold cache: every host launcher a C compiler builds (Triton <= 3.6) is built on
     the pool inside the block; the launches after it build none."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if not ahead.available():
-        pytest.skip("this Triton has no asynchronous compile mode")
     import threading
 
     import triton.language as tl
     import triton.runtime.build as build
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     builds, phase = [], ["block"]
     real = build._build
 

@@ -44,3 +44,15 @@ def rewrite_block(path: str | os.PathLike, name: str, table: dict, write: bool =
     if write:
         _write_atomic(path, src[:match.start()] + block + src[match.end():])
     return block
+
+
+def model_bench_setup(scale: int | None):
+    """(device, scale) of a benchmark that builds the U-Net: CUDA when present (its default scale 7),
+    else the CPU (scale 4); the determinism mode the trainer runs by default."""
+    import torch
+
+    from scaffold import determinism
+
+    cuda = torch.cuda.is_available()
+    determinism.configure("default")
+    return torch.device("cuda" if cuda else "cpu"), scale or (7 if cuda else 4)

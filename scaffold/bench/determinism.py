@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from scaffold import determinism
-from scaffold.bench import write_json
+from scaffold.bench import model_bench_setup, write_json
 from scaffold.config import Config, LadderConfig
 from scaffold.model.policy import OPS
 
@@ -134,11 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ladder", default="auto", help="rung for every op kind: auto | triton | vendor")
     ap.add_argument("--out", default="bench_results/determinism.json")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    determinism.configure("default")
-    scale = args.scale or (7 if cuda else 4)
-    width = args.base_width or (64 if cuda else 8)
+    device, scale = model_bench_setup(args.scale)
+    width = args.base_width or (64 if device.type == "cuda" else 8)
     ladder = LadderConfig(**{op: args.ladder for op in OPS})  # every kind, the pool and the loss head too
     res = probe(scale, args.repeats, args.train_steps, ladder, device, width)
     print(f"determinism probe: scale {scale} ({2**scale}³), width {width}, {device}, {args.repeats} repeats, "

@@ -30,7 +30,7 @@ import time
 import torch
 
 from scaffold import determinism
-from scaffold.bench import write_json
+from scaffold.bench import model_bench_setup, write_json
 from scaffold.bench.timing import measure
 from scaffold.config import Config, LadderConfig
 
@@ -186,10 +186,8 @@ def main(argv=None) -> int:
                     help="also profile the steps: device time by part (GroupNorm, conv, loss, ...)")
     ap.add_argument("--out", default="bench_results/minibatch.json")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    determinism.configure("default")
-    scale = args.scale or (7 if cuda else 4)
+    device, scale = model_bench_setup(args.scale)
+    cuda = device.type == "cuda"
     results = []
     for v in args.variants.split(","):
         try:
