@@ -1,0 +1,389 @@
+"""Conv3d 3×3×3, stride 1, padding 1 on Hopper (sm_90) in Gluon: an implicit GEMM fed by the copy engine.
+
+Gluon (`triton.experimental.gluon`) exposes what Triton's automatic pipelining hides: shared-memory
+layouts, tensor-memory-accelerator (TMA) copies, mbarriers and asynchronous warpgroup MMAs (wgmma).
+This module holds the forward (and, through it, backward-data) of the U-Net's 3×3×3 convs:
+
+  y[box, co] = sum over (tap, ci) of x[box + tap − 1, ci] · W[co, ci, tap]
+
+A tile is a box of BD×BH×BW output voxels of one sample (rows) by BN output channels (columns).
+x is read through a 5-D descriptor over [N, D, H, W, C] (channels-last): the operand of a tap is the
+box shifted by the tap, one TMA copy, and coordinates outside the volume (negative ones included)
+read as zero, which is the padding. W is read as a [27·Cin, Cout] matrix (row tap·Cin + ci), prepared
+once per call (weights are small). Loads run STAGES deep in a shared-memory ring, each stage signalled
+by its own mbarrier; the wgmma of stage s runs asynchronously while the copies of the next stages are
+in flight, and a stage is refilled only once the MMA that read it has retired.
+
+HALO (the default): instead of one box per tap, one box per (kh, kw) of depth BD + 2 (the box with its
+d halo; two copies, BD planes then 2, as copy boxes are powers of two); the three kd taps are then the three row slices of that box at offsets 0, BH·BW, 2·BH·BW
+(whole 8-row groups, so the swizzled layout is unchanged), each one wgmma against its own weight tile.
+This reads x from L2 (BD + 2) / (3·BD) as often as one box per tap does.
+
+Backward-data is the forward on dy with the flipped, channel-swapped weight (padding 1 is symmetric).
+fp32 accumulation; each output element is one fixed-order sum (no split, no atomics): bitwise
+reproducible. Needs Triton's Gluon with the Hopper modules (`available()` says whether it is here);
+on the CPU, in the interpreter, or without Gluon the module imports and reports itself unavailable.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..lib.device import sm_count
+
+try:  # Gluon ships with Triton >= 3.4 as an experimental package; its API moves between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _GLUON_ERROR = None
+except Exception as e:  # pragma: no cover - depends on the install
+    gluon = gl = TensorDescriptor = None
+    _GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+
+def unavailable_reason(device: torch.device | None = None) -> str | None:
+    """None when the Gluon kernels can run on `device` (default: the current CUDA device), else why not."""
+    if _GLUON_ERROR is not None:
+        return f"triton.experimental.gluon (Hopper) not importable: {_GLUON_ERROR}"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "not an sm_90 (Hopper) GPU"
+    return None
+
+
+def available(device: torch.device | None = None) -> bool:
+    return unavailable_reason(device) is None
+
+
+@dataclass(frozen=True)
+class GluonTile:
+    """Box of output voxels (BD×BH×BW rows), output channels per tile (BN), input channels per
+    step (BK), ring depth, whether to read the d halo once per (kh, kw), and warps."""
+    bd: int
+    bh: int
+    bw: int
+    bn: int
+    bk: int = 64
+    stages: int = 3
+    halo: bool = True
+    warps: int = 8
+    persistent: bool = True
+    per_sm: int = 1  # persistent programs per multiprocessor (what its shared memory allows)
+
+    def __post_init__(self):
+        if self.halo and self.bd != 2:
+            raise ValueError(f"GluonTile: a halo tile has bd=2 (one accumulator per plane), got {self.bd}")
+        if (self.bh * self.bw if self.halo else self.bm) < 16 * self.warps:
+            raise ValueError(f"GluonTile: {self.warps} warps need >= {16 * self.warps} rows per MMA")
+
+    @property
+    def bm(self) -> int:
+        return self.bd * self.bh * self.bw
+
+    @property
+    def a_rows(self) -> int:
+        """Rows of one A stage in shared memory: the box (with its halo), rounded up to a power of
+        two (Gluon's shared-memory shapes are powers of two)."""
+        rows = (self.bd + 2 if self.halo else self.bd) * self.bh * self.bw
+        return 1 << (rows - 1).bit_length()
+
+    def smem_bytes(self) -> int:
+        per = self.a_rows * self.bk * 2 + (4 if self.halo else 1) * self.bk * self.bn * 2
+        return self.stages * per
+
+
+def default_tile(cin: int, cout: int) -> GluonTile:
+    """The tile of a site: 128 voxel rows × 64 channels for 64-wide outputs, 128 × 128 otherwise."""
+    if cout <= 64:
+        return GluonTile(2, 8, 8, 64, stages=8, halo=False, warps=4)
+    return GluonTile(2, 8, 8, 128, stages=4, halo=False, warps=8)
+
+
+def supported(x: torch.Tensor, w: torch.Tensor, stride=(1, 1, 1), padding=(1, 1, 1),
+              dilation=(1, 1, 1), groups: int = 1) -> bool:
+    """Whether the Gluon forward takes conv3d(x, w): bf16 NDHWC on sm_90, 3×3×3, stride 1, padding 1,
+    dilation 1, channels multiples of 64 (one copy-engine row of 128 bytes per step)."""
+    if not (x.is_cuda and available(x.device)) or groups != 1:
+        return False
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 5 or w.dim() != 5:
+        return False
+    if tuple(w.shape[2:]) != (3, 3, 3) or tuple(stride) != (1, 1, 1) or tuple(padding) != (1, 1, 1):
+        return False
+    if tuple(dilation) != (1, 1, 1) or w.shape[1] != x.shape[1]:
+        return False
+    if x.shape[1] % 64 or w.shape[0] % 64:
+        return False
+    return x.permute(0, 2, 3, 4, 1).is_contiguous()
+
+
+if gluon is not None:
+
+    # One copy-engine load: `tma.async_load` where this Triton has it (3.7 on), else its older name
+    # `tma.async_copy_global_to_shared` (3.6), chosen here so the kernels never name a missing one.
+    _tma_async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def _tma_load(desc, coord, bar, dst, ASYNC_LOAD: gl.constexpr):
+        _tma_async_load(desc, coord, bar, dst)
+
+    @gluon.jit
+    def _issue(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, it, s, n, d0, h0, w0, n0, Cin, blocks_c,
+               BD: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BK: gl.constexpr,
+               BN: gl.constexpr, HALO: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr,
+               ASYNC_LOAD: gl.constexpr):
+        """Start the copies of step `it` (its A box and its weight tiles) into ring stage `s`."""
+        KD_PER: gl.constexpr = 3 if HALO else 1
+        B_SLOTS: gl.constexpr = 4 if HALO else 1
+        BDL: gl.constexpr = BD + 2 if HALO else BD
+        PLANE: gl.constexpr = BH * BW
+        A_BYTES: gl.constexpr = BDL * PLANE * BK * 2
+        B_BYTES: gl.constexpr = BK * BN * 2
+        cb = it % blocks_c
+        t = it // blocks_c
+        c0 = cb * BK
+        kw = t % 3
+        kh = (t // 3) % 3
+        kd = t // 9  # 0 when HALO (t < 9)
+        bar = bars.index(s)
+        mbarrier.expect(bar, A_BYTES + KD_PER * B_BYTES)
+        a_stage = a_bufs.index(s)
+        # Box shapes are powers of two: with the halo, the BD + 2 planes are two copies (BD, then 2).
+        a_main = a_stage.slice(0, BD * PLANE, dim=0)
+        if PUBLIC_REINTERPRET:
+            a_dst = a_main.reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
+        else:
+            a_dst = a_main._reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
+        _tma_load(x_desc, [n, d0 - 1 + kd, h0 - 1 + kh, w0 - 1 + kw, c0], bar, a_dst, ASYNC_LOAD)
+        if HALO:
+            a_tail = a_stage.slice(BD * PLANE, 2 * PLANE, dim=0)
+            if PUBLIC_REINTERPRET:
+                h_dst = a_tail.reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
+            else:
+                h_dst = a_tail._reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
+            _tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, c0], bar, h_dst, ASYNC_LOAD)
+        for j in gl.static_range(KD_PER):
+            tap = ((kd + j) * 3 + kh) * 3 + kw
+            _tma_load(w_desc, [tap * Cin + c0, n0], bar, b_bufs.index(s * B_SLOTS + j), ASYNC_LOAD)
+
+    @gluon.jit
+    def _conv3x3x3_kernel(x_desc, xh_desc, w_desc, y_ptr, Cin, Cout, D, H, W, tiles_d, tiles_h, tiles_w,
+                          tiles_n, num_tiles, blocks_c, syn, syc, syd, syh, syw,
+                          BD: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BN: gl.constexpr,
+                          BK: gl.constexpr, STAGES: gl.constexpr, HALO: gl.constexpr,
+                          A_ROWS: gl.constexpr,
+                          A2_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
+                          OUT_LAYOUT: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr,
+                          ASYNC_LOAD: gl.constexpr):
+        BM: gl.constexpr = BD * BH * BW
+        KD_PER: gl.constexpr = 3 if HALO else 1
+        B_SLOTS: gl.constexpr = 4 if HALO else 1  # shared-memory shapes are powers of two
+        PLANE: gl.constexpr = BH * BW
+
+        pid = gl.program_id(0)
+        pid_n = pid % tiles_n  # the output-channel tiles of one box run side by side: same A boxes
+        box = pid // tiles_n
+        tw = box % tiles_w
+        th = (box // tiles_w) % tiles_h
+        td = (box // (tiles_w * tiles_h)) % tiles_d
+        n = box // (tiles_w * tiles_h * tiles_d)
+        d0 = td * BD
+        h0 = th * BH
+        w0 = tw * BW
+        n0 = pid_n * BN
+
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, A_ROWS, BK], A2_LAYOUT)
+        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES * B_SLOTS, BK, BN], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+
+        if HALO:  # BD == 2: one accumulator per output plane, each MMA a whole-plane row slice
+            total = 9 * blocks_c
+            for i in gl.static_range(STAGES - 1):
+                if i < total:
+                    _issue(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, i, i, n, d0, h0, w0, n0, Cin,
+                           blocks_c, BD, BH, BW, BK, BN, HALO, PUBLIC_REINTERPRET, ASYNC_LOAD)
+            acc0 = gl.zeros([PLANE, BN], gl.float32, layout=MMA_LAYOUT)
+            acc1 = gl.zeros([PLANE, BN], gl.float32, layout=MMA_LAYOUT)
+            for it in range(total):
+                s = it % STAGES
+                mbarrier.wait(bars.index(s), (it // STAGES) & 1)
+                a = a_bufs.index(s)
+                for j in gl.static_range(3):  # kd = j: planes j (output plane 0) and j + 1 (plane 1)
+                    b = b_bufs.index(s * B_SLOTS + j)
+                    acc0 = warpgroup_mma(a.slice(j * PLANE, PLANE, dim=0), b, acc0, is_async=True)
+                    acc1 = warpgroup_mma(a.slice((j + 1) * PLANE, PLANE, dim=0), b, acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=6, deps=(acc0, acc1))
+                nxt = it + STAGES - 1
+                if nxt < total:
+                    _issue(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, nxt, nxt % STAGES, n, d0, h0,
+                           w0, n0, Cin, blocks_c, BD, BH, BW, BK, BN, HALO, PUBLIC_REINTERPRET,
+                           ASYNC_LOAD)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(i))
+            _store(acc0, y_ptr, n, d0, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
+                   PLANE, BH, BW, BN, OUT_LAYOUT)
+            _store(acc1, y_ptr, n, d0 + 1, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
+                   PLANE, BH, BW, BN, OUT_LAYOUT)
+        else:
+            # Persistent: this program's tiles are pid, pid + P, pid + 2P, ... (P programs), and its
+            # steps are one flat sequence over them, so the copies of a tile's first steps are in
+            # flight while the previous tile finishes its MMAs and stores its output.
+            nprog = gl.num_programs(0)
+            steps = 27 * blocks_c
+            total_steps = ((num_tiles - pid + nprog - 1) // nprog) * steps
+            for i in gl.static_range(STAGES - 1):
+                if i < total_steps:
+                    _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, i, i, pid, nprog, steps,
+                                tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD, BH, BW, BK, BN,
+                                PUBLIC_REINTERPRET, ASYNC_LOAD)
+            acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
+            for g in range(total_steps):
+                s = g % STAGES
+                mbarrier.wait(bars.index(s), (g // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s).slice(0, BM, dim=0), b_bufs.index(s), acc,
+                                    is_async=True)
+                # Everything but this step's MMA has retired: the stage of step g - 1 is free.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                nxt = g + STAGES - 1
+                if nxt < total_steps:
+                    _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, nxt, nxt % STAGES, pid,
+                                nprog, steps, tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD, BH,
+                                BW, BK, BN, PUBLIC_REINTERPRET, ASYNC_LOAD)
+                if g % steps == steps - 1:  # the tile's last step: store it, start the next at zero
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    tn, td0, th0, tw0, tn0 = _tile_origin(pid + (g // steps) * nprog, tiles_n, tiles_w,
+                                                          tiles_h, tiles_d, BD, BH, BW, BN)
+                    _store(acc, y_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh, syw,
+                           BM, BH, BW, BN, OUT_LAYOUT)
+                    acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(i))
+
+    @gluon.jit
+    def _tile_origin(tile, tiles_n, tiles_w, tiles_h, tiles_d, BD: gl.constexpr, BH: gl.constexpr,
+                     BW: gl.constexpr, BN: gl.constexpr):
+        """(n, d0, h0, w0, n0) of tile number `tile`: output-channel tiles fastest (they read the same
+        boxes), then w, h, d, sample."""
+        pid_n = tile % tiles_n
+        box = tile // tiles_n
+        tw = box % tiles_w
+        th = (box // tiles_w) % tiles_h
+        td = (box // (tiles_w * tiles_h)) % tiles_d
+        n = box // (tiles_w * tiles_h * tiles_d)
+        return n, td * BD, th * BH, tw * BW, pid_n * BN
+
+    @gluon.jit
+    def _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, g, s, pid, nprog, steps, tiles_n,
+                    tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD: gl.constexpr, BH: gl.constexpr,
+                    BW: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
+                    PUBLIC_REINTERPRET: gl.constexpr, ASYNC_LOAD: gl.constexpr):
+        """The copies of flat step g of this program (tile g // steps of its own, step g % steps)."""
+        n, d0, h0, w0, n0 = _tile_origin(pid + (g // steps) * nprog, tiles_n, tiles_w, tiles_h,
+                                         tiles_d, BD, BH, BW, BN)
+        _issue(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, g % steps, s, n, d0, h0, w0, n0, Cin,
+               blocks_c, BD, BH, BW, BK, BN, False, PUBLIC_REINTERPRET, ASYNC_LOAD)
+
+    @gluon.jit
+    def _store(acc, y_ptr, n, d0, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
+               ROWS: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BN: gl.constexpr,
+               OUT_LAYOUT: gl.constexpr):
+        """Rows (d, h, w) of a box from (d0, h0, w0), 8 channels a thread (16-byte stores), masked to
+        the volume and to Cout; any output strides."""
+        out = gl.convert_layout(acc.to(gl.bfloat16), OUT_LAYOUT)
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        od = d0 + r // (BH * BW)
+        oh = h0 + (r // BW) % BH
+        ow = w0 + r % BW
+        row = (n.to(gl.int64) * syn + od.to(gl.int64) * syd + oh.to(gl.int64) * syh
+               + ow.to(gl.int64) * syw)
+        off = gl.expand_dims(row, 1) + gl.expand_dims(c.to(gl.int64) * syc, 0)
+        mask = gl.expand_dims((od < D) & (oh < H) & (ow < W), 1) & gl.expand_dims(c < Cout, 0)
+        gl.store(y_ptr + off, out, mask=mask)
+
+
+last_compiled = None  # the last launch's compiled kernel (its .asm: ptx, cubin; for inspection)
+
+
+def _public_reinterpret() -> bool:
+    from triton.experimental.gluon.language import _core
+    return hasattr(_core.shared_memory_descriptor, "reinterpret")
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(tile: GluonTile):
+    """(A ring layout, MMA accumulator layout, epilogue layout, x box layout, weight tile layout)."""
+    a2 = gl.NVMMASharedLayout.get_default_for([tile.a_rows, tile.bk], gl.bfloat16)
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[tile.warps, 1],
+                                    instr_shape=[16, tile.bn, 16])  # BM (or a plane) ≥ 16·warps
+    tpw_n = min(tile.bn // 8, 32)
+    out = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // tpw_n, tpw_n],
+                           warps_per_cta=[tile.warps, 1], order=[1, 0])
+    xl = gl.NVMMASharedLayout.get_default_for([1, tile.bd, tile.bh, tile.bw, tile.bk], gl.bfloat16)
+    xhl = gl.NVMMASharedLayout.get_default_for([1, 2, tile.bh, tile.bw, tile.bk], gl.bfloat16)
+    wl = gl.NVMMASharedLayout.get_default_for([tile.bk, tile.bn], gl.bfloat16)
+    return a2, mma, out, xl, xhl, wl
+
+
+def weight_matrix(w: torch.Tensor, mirror: bool = False) -> torch.Tensor:
+    """W (Cout, Cin, 3, 3, 3) as the [27·Cin, Cout] matrix the kernel reads (row tap·Cin + ci).
+    mirror: the backward-data operand, W flipped in every spatial dim with Cin and Cout swapped,
+    as [27·Cout, Cin]."""
+    if mirror:
+        w = w.flip(2, 3, 4).transpose(0, 1)
+    co, ci = w.shape[:2]
+    return w.permute(2, 3, 4, 1, 0).reshape(27 * ci, co).contiguous()
+
+
+def _launch(x: torch.Tensor, wm: torch.Tensor, out: torch.Tensor, tile: GluonTile) -> torch.Tensor:
+    n, cin, d, h, w = x.shape
+    cout = wm.shape[1]
+    a2, mma, out_layout, xl, xhl, wl = _layouts(tile)
+    xv = x.permute(0, 2, 3, 4, 1)
+    x_desc = TensorDescriptor(xv, list(xv.shape), list(xv.stride()),
+                              [1, tile.bd, tile.bh, tile.bw, tile.bk], xl)
+    xh_desc = TensorDescriptor(xv, list(xv.shape), list(xv.stride()), [1, 2, tile.bh, tile.bw, tile.bk],
+                               xhl) if tile.halo else x_desc
+    w_desc = TensorDescriptor(wm, list(wm.shape), list(wm.stride()), [tile.bk, tile.bn], wl)
+    tiles = (-(-d // tile.bd), -(-h // tile.bh), -(-w // tile.bw))
+    tiles_n = -(-cout // tile.bn)
+    num_tiles = n * tiles[0] * tiles[1] * tiles[2] * tiles_n
+    programs = num_tiles
+    if tile.persistent and not tile.halo:  # as many programs as run on the device at once
+        programs = min(num_tiles, sm_count(x.device) * tile.per_sm)
+    grid = (programs,)
+    global last_compiled
+    last_compiled = _conv3x3x3_kernel[grid](
+        x_desc, xh_desc, w_desc, out, cin, cout, d, h, w, *tiles, tiles_n, num_tiles, -(-cin // tile.bk),
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
+        tile.bd, tile.bh, tile.bw, tile.bn, tile.bk, tile.stages, tile.halo, tile.a_rows,
+        a2, mma, out_layout, _public_reinterpret(), hasattr(tma, "async_load"), num_warps=tile.warps)
+    return out
+
+
+def conv3d_forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                   tile: GluonTile | None = None) -> torch.Tensor:
+    """conv3d(x, w, padding=1) for bf16 NDHWC x, no bias; `out` (any strides) is written if given."""
+    if out is None:
+        out = torch.empty((x.shape[0], w.shape[0], *x.shape[2:]), device=x.device, dtype=x.dtype,
+                          memory_format=torch.channels_last_3d)
+    return _launch(x, weight_matrix(w), out, tile or default_tile(w.shape[1], w.shape[0]))
+
+
+def conv3d_backward_data(dy: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                         tile: GluonTile | None = None) -> torch.Tensor:
+    """dx of conv3d(x, w, padding=1): the forward of dy with the flipped, channel-swapped weight."""
+    if out is None:
+        out = torch.empty((dy.shape[0], w.shape[1], *dy.shape[2:]), device=dy.device, dtype=dy.dtype,
+                          memory_format=torch.channels_last_3d)
+    return _launch(dy, weight_matrix(w, mirror=True), out,
+                   tile or default_tile(w.shape[0], w.shape[1]))
