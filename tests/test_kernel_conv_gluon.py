@@ -37,6 +37,7 @@ def test_weight_matrix_rows_are_tap_major():
 
 TILES = [
     G.GluonTile(4, 8, 8, 64, stages=4, halo=False, warps=8, persistent=True),
+    G.GluonTile(4, 8, 8, 64, stages=4, halo=False, warps=8, persistent=True, ws=True),
     G.GluonTile(2, 8, 8, 64, stages=4, halo=False, warps=4, persistent=False),
     G.GluonTile(2, 8, 8, 64, stages=2, halo=True, warps=4),
     G.GluonTile(2, 8, 8, 128, stages=4, halo=False, warps=8, persistent=True),
@@ -45,7 +46,7 @@ SHAPES = [(2, 64, 64, (5, 6, 7)), (1, 128, 64, (9, 12, 10)), (1, 64, 128, (20, 2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{'h' if t.halo else 'p'}")
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{'h' if t.halo else 'w' if t.ws else 'p'}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, (s[1], s[2], *s[3]))))
 def test_matches_cudnn_fp32(tile, shape):
     if not G.available():

@@ -30,25 +30,26 @@ DIRECTIONS = ("fwd", "bwd_data")
 
 def parse_tile(text: str):
     """'BDxBHxBWxBN:stages:mode:warps[:bk]' -> GluonTile. mode: h (d halo, one tile a program),
-    q (one box per tap, one tile a program), pK (one box per tap, persistent, K programs per SM)."""
+    q (one box per tap, one tile a program), pK (one box per tap, persistent, K programs per SM),
+    wK (as pK, warp-specialized: a loader warp beside the MMA warps)."""
     from scaffold.kernels.conv.gluon import GluonTile
 
     try:
         box, stages, mode, warps, *bk = text.split(":")
         bd, bh, bw, bn = (int(v) for v in box.split("x"))
-        if mode[:1] not in ("h", "p", "q") or len(bk) > 1:
+        if mode[:1] not in ("h", "p", "q", "w") or len(bk) > 1:
             raise ValueError(f"mode {mode!r}")
-        per_sm = int(mode[1:]) if mode[:1] == "p" and len(mode) > 1 else 1
+        per_sm = int(mode[1:]) if mode[:1] in "pw" and len(mode) > 1 else 1
         return GluonTile(bd, bh, bw, bn, bk=int(bk[0]) if bk else 64, stages=int(stages),
-                         halo=mode == "h", warps=int(warps), persistent=mode[:1] == "p",
-                         per_sm=per_sm)
+                         halo=mode == "h", warps=int(warps), persistent=mode[:1] in "pw",
+                         per_sm=per_sm, ws=mode[:1] == "w")
     except ValueError as e:
-        raise SystemExit(f"--tiles: {text!r}: expected BDxBHxBWxBN:stages:h|q|pK:warps[:bk], "
+        raise SystemExit(f"--tiles: {text!r}: expected BDxBHxBWxBN:stages:h|q|pK|wK:warps[:bk], "
                          f"e.g. 2x8x16x64:2:h:8 ({e})") from None
 
 
 def tile_name(t) -> str:
-    mode = "h" if t.halo else (f"p{t.per_sm}" if t.persistent else "q")
+    mode = "h" if t.halo else (f"{'w' if t.ws else 'p'}{t.per_sm}" if t.persistent else "q")
     return f"{t.bd}x{t.bh}x{t.bw}x{t.bn}:{t.stages}:{mode}:{t.warps}:{t.bk}"
 
 
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--scale", default="8", help="comma-separated scales")
     p.add_argument("--sites", default="", help="substrings of module names to keep (default: all "
                    "sites the kernel takes)")
-    p.add_argument("--tiles", default="", help="comma-separated BDxBHxBWxBN:stages:h|q|pK:warps[:bk] "
+    p.add_argument("--tiles", default="", help="comma-separated BDxBHxBWxBN:stages:h|q|pK|wK:warps[:bk] "
                    "(default: each site's default tile)")
     p.add_argument("--directions", default="fwd,bwd_data")
     p.add_argument("--timer", default="device", choices=("wall", "device"))

@@ -75,6 +75,7 @@ class GluonTile:
     warps: int = 8
     persistent: bool = True
     per_sm: int = 1  # persistent programs per multiprocessor (what its shared memory allows)
+    ws: bool = False  # warp-specialized (a loader warp beside the MMA warps); persistent
 
     def __post_init__(self):
         if self.halo and self.bd != 2:
@@ -99,9 +100,10 @@ class GluonTile:
 
 
 def default_tile(cin: int, cout: int) -> GluonTile:
-    """The tile of a site: 128 voxel rows × 64 channels for 64-wide outputs, 128 × 128 otherwise."""
+    """The tile of a site (persistent, one box per tap, 4 stages, 8 warps): 256 voxel rows × 64
+    channels for 64-wide outputs, 128 × 128 otherwise."""
     if cout <= 64:
-        return GluonTile(2, 8, 8, 64, stages=8, halo=False, warps=4)
+        return GluonTile(4, 8, 8, 64, stages=4, halo=False, warps=8)
     return GluonTile(2, 8, 8, 128, stages=4, halo=False, warps=8)
 
 
@@ -179,7 +181,7 @@ if gluon is not None:
                           A_ROWS: gl.constexpr,
                           A2_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
                           OUT_LAYOUT: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr,
-                          ASYNC_LOAD: gl.constexpr):
+                          ASYNC_LOAD: gl.constexpr, WS: gl.constexpr):
         BM: gl.constexpr = BD * BH * BW
         KD_PER: gl.constexpr = 3 if HALO else 1
         B_SLOTS: gl.constexpr = 4 if HALO else 1  # shared-memory shapes are powers of two
@@ -233,6 +235,26 @@ if gluon is not None:
                    PLANE, BH, BW, BN, OUT_LAYOUT)
             _store(acc1, y_ptr, n, d0 + 1, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
                    PLANE, BH, BW, BN, OUT_LAYOUT)
+        elif WS:
+            # Warp-specialized: one loader warp runs the copies STAGES ahead, gated by `empty` (a
+            # stage is released once the MMA that read it has retired); the kernel's own warps
+            # issue the MMAs and store each tile (persistent, flat steps as below).
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(empty.index(i), count=1)
+            fence_async_shared()
+            nprog = gl.num_programs(0)
+            gl.warp_specialize([
+                (_ws_mma, (a_bufs, b_bufs, bars, empty, y_ptr, pid, nprog, num_tiles, tiles_n, tiles_w,
+                           tiles_h, tiles_d, blocks_c, Cout, D, H, W, syn, syc, syd, syh, syw,
+                           BD, BH, BW, BN, STAGES, MMA_LAYOUT, OUT_LAYOUT)),
+                (_ws_loader, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, empty, pid, nprog,
+                              num_tiles, tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c,
+                              BD, BH, BW, BK, BN, STAGES, PUBLIC_REINTERPRET, ASYNC_LOAD)),
+            ], [1], [48])
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(i))
+                mbarrier.invalidate(empty.index(i))
         else:
             # Persistent: this program's tiles are pid, pid + P, pid + 2P, ... (P programs), and its
             # steps are one flat sequence over them, so the copies of a tile's first steps are in
@@ -267,6 +289,46 @@ if gluon is not None:
                     acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
+
+    @gluon.jit
+    def _ws_loader(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, empty, pid, nprog, num_tiles, tiles_n,
+                   tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD: gl.constexpr, BH: gl.constexpr,
+                   BW: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                   PUBLIC_REINTERPRET: gl.constexpr, ASYNC_LOAD: gl.constexpr):
+        steps = 27 * blocks_c
+        total_steps = ((num_tiles - pid + nprog - 1) // nprog) * steps
+        for g in range(total_steps):
+            s = g % STAGES
+            # The k-th reuse of a stage waits for its k-th release (the first use passes at once).
+            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+            _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, g, s, pid, nprog, steps, tiles_n,
+                        tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD, BH, BW, BK, BN,
+                        PUBLIC_REINTERPRET, ASYNC_LOAD)
+
+    @gluon.jit
+    def _ws_mma(a_bufs, b_bufs, bars, empty, y_ptr, pid, nprog, num_tiles, tiles_n, tiles_w, tiles_h,
+                tiles_d, blocks_c, Cout, D, H, W, syn, syc, syd, syh, syw, BD: gl.constexpr,
+                BH: gl.constexpr, BW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                MMA_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr):
+        BM: gl.constexpr = BD * BH * BW
+        steps = 27 * blocks_c
+        total_steps = ((num_tiles - pid + nprog - 1) // nprog) * steps
+        acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
+        for g in range(total_steps):
+            s = g % STAGES
+            mbarrier.wait(bars.index(s), (g // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s).slice(0, BM, dim=0), b_bufs.index(s), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if g > 0:  # the MMA of step g - 1 has retired: its stage goes back to the loader
+                mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+            if g % steps == steps - 1:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                tn, td0, th0, tw0, tn0 = _tile_origin(pid + (g // steps) * nprog, tiles_n, tiles_w,
+                                                      tiles_h, tiles_d, BD, BH, BW, BN)
+                _store(acc, y_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh, syw,
+                       BM, BH, BW, BN, OUT_LAYOUT)
+                acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
 
     @gluon.jit
     def _tile_origin(tile, tiles_n, tiles_w, tiles_h, tiles_d, BD: gl.constexpr, BH: gl.constexpr,
@@ -358,7 +420,7 @@ def _launch(x: torch.Tensor, wm: torch.Tensor, out: torch.Tensor, tile: GluonTil
     tiles_n = -(-cout // tile.bn)
     num_tiles = n * tiles[0] * tiles[1] * tiles[2] * tiles_n
     programs = num_tiles
-    if tile.persistent and not tile.halo:  # as many programs as run on the device at once
+    if (tile.persistent or tile.ws) and not tile.halo:  # as many programs as run on the device at once
         programs = min(num_tiles, sm_count(x.device) * tile.per_sm)
     grid = (programs,)
     global last_compiled
@@ -366,7 +428,8 @@ def _launch(x: torch.Tensor, wm: torch.Tensor, out: torch.Tensor, tile: GluonTil
         x_desc, xh_desc, w_desc, out, cin, cout, d, h, w, *tiles, tiles_n, num_tiles, -(-cin // tile.bk),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
         tile.bd, tile.bh, tile.bw, tile.bn, tile.bk, tile.stages, tile.halo, tile.a_rows,
-        a2, mma, out_layout, _public_reinterpret(), hasattr(tma, "async_load"), num_warps=tile.warps)
+        a2, mma, out_layout, _public_reinterpret(), hasattr(tma, "async_load"), tile.ws,
+        num_warps=tile.warps)
     return out
 
 
