@@ -7,17 +7,23 @@ This module holds the forward (and, through it, backward-data) of the U-Net's 3�
   y[box, co] = sum over (tap, ci) of x[box + tap − 1, ci] · W[co, ci, tap]
 
 A tile is a box of BD×BH×BW output voxels of one sample (rows) by BN output channels (columns).
-x is read through a 5-D descriptor over [N, D, H, W, C] (channels-last): the operand of a tap is the
-box shifted by the tap, one TMA copy, and coordinates outside the volume (negative ones included)
-read as zero, which is the padding. W is read as a [27·Cin, Cout] matrix (row tap·Cin + ci), prepared
-once per call (weights are small). Loads run STAGES deep in a shared-memory ring, each stage signalled
-by its own mbarrier; the wgmma of stage s runs asynchronously while the copies of the next stages are
-in flight, and a stage is refilled only once the MMA that read it has retired.
+x is read through a 5-D descriptor over [N, D, H, W, C] (channels-last): the operand of a step (tap,
+BK-channel block) is the box shifted by the tap, one TMA copy, and coordinates outside the volume
+(negative ones included) read as zero, which is the padding. W is read as a [27·Cin, Cout] matrix (row
+tap·Cin + ci), prepared once per call (weights are small). Copies run STAGES deep in a shared-memory
+ring, each stage signalled by its own mbarrier; one wgmma stays in flight, and a stage is refilled once
+the MMA that read it has retired.
 
-HALO (the default): instead of one box per tap, one box per (kh, kw) of depth BD + 2 (the box with its
-d halo; two copies, BD planes then 2, as copy boxes are powers of two); the three kd taps are then the three row slices of that box at offsets 0, BH·BW, 2·BH·BW
-(whole 8-row groups, so the swizzled layout is unchanged), each one wgmma against its own weight tile.
-This reads x from L2 (BD + 2) / (3·BD) as often as one box per tap does.
+Three ways to run the steps (GluonTile):
+  persistent                one program per SM takes tiles pid, pid + P, ...; their steps are one flat
+                            sequence, so the next tile's first copies fly during a tile's last MMAs
+                            and its store.
+  ws                        the same, warp-specialized (the default at 64-wide outputs): a one-warp loader partition runs the copies,
+                            gated by per-stage release barriers that the MMA warps arrive on.
+  halo                      (BD = 2, measured slower) one box of BD + 2 planes per (kh, kw) (two copies:
+                            boxes are powers of two), the three kd taps as whole-plane row slices of it,
+                            one accumulator per output plane: a third less traffic from L2, but Gluon's
+                            power-of-two shapes leave room for a 2-deep ring only.
 
 Backward-data is the forward on dy with the flipped, channel-swapped weight (padding 1 is symmetric).
 fp32 accumulation; each output element is one fixed-order sum (no split, no atomics): bitwise
@@ -100,10 +106,11 @@ class GluonTile:
 
 
 def default_tile(cin: int, cout: int) -> GluonTile:
-    """The tile of a site (persistent, one box per tap, 4 stages, 8 warps): 256 voxel rows × 64
-    channels for 64-wide outputs, 128 × 128 otherwise."""
+    """The tile of a site (one box per tap, 4 stages, 8 warps, persistent): 256 voxel rows × 64
+    channels with the warp-specialized loader for 64-wide outputs (the fastest measured at 64→64,
+    256³), 128 × 128 otherwise."""
     if cout <= 64:
-        return GluonTile(4, 8, 8, 64, stages=4, halo=False, warps=8)
+        return GluonTile(4, 8, 8, 64, stages=4, halo=False, warps=8, ws=True)
     return GluonTile(2, 8, 8, 128, stages=4, halo=False, warps=8)
 
 
@@ -126,19 +133,18 @@ def supported(x: torch.Tensor, w: torch.Tensor, stride=(1, 1, 1), padding=(1, 1,
 
 if gluon is not None:
 
-    # One copy-engine load: `tma.async_load` where this Triton has it (3.7 on), else its older name
+    # One copy-engine load: `tma.async_load` where this Triton has it (3.9 does), else its older name
     # `tma.async_copy_global_to_shared` (3.6), chosen here so the kernels never name a missing one.
     _tma_async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
-    def _tma_load(desc, coord, bar, dst, ASYNC_LOAD: gl.constexpr):
+    def _tma_load(desc, coord, bar, dst):
         _tma_async_load(desc, coord, bar, dst)
 
     @gluon.jit
     def _issue(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, it, s, n, d0, h0, w0, n0, Cin, blocks_c,
                BD: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BK: gl.constexpr,
-               BN: gl.constexpr, HALO: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr,
-               ASYNC_LOAD: gl.constexpr):
+               BN: gl.constexpr, HALO: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr):
         """Start the copies of step `it` (its A box and its weight tiles) into ring stage `s`."""
         KD_PER: gl.constexpr = 3 if HALO else 1
         B_SLOTS: gl.constexpr = 4 if HALO else 1
@@ -161,17 +167,17 @@ if gluon is not None:
             a_dst = a_main.reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
         else:
             a_dst = a_main._reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
-        _tma_load(x_desc, [n, d0 - 1 + kd, h0 - 1 + kh, w0 - 1 + kw, c0], bar, a_dst, ASYNC_LOAD)
+        _tma_load(x_desc, [n, d0 - 1 + kd, h0 - 1 + kh, w0 - 1 + kw, c0], bar, a_dst)
         if HALO:
             a_tail = a_stage.slice(BD * PLANE, 2 * PLANE, dim=0)
             if PUBLIC_REINTERPRET:
                 h_dst = a_tail.reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
             else:
                 h_dst = a_tail._reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
-            _tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, c0], bar, h_dst, ASYNC_LOAD)
+            _tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, c0], bar, h_dst)
         for j in gl.static_range(KD_PER):
             tap = ((kd + j) * 3 + kh) * 3 + kw
-            _tma_load(w_desc, [tap * Cin + c0, n0], bar, b_bufs.index(s * B_SLOTS + j), ASYNC_LOAD)
+            _tma_load(w_desc, [tap * Cin + c0, n0], bar, b_bufs.index(s * B_SLOTS + j))
 
     @gluon.jit
     def _conv3x3x3_kernel(x_desc, xh_desc, w_desc, y_ptr, Cin, Cout, D, H, W, tiles_d, tiles_h, tiles_w,
@@ -180,8 +186,7 @@ if gluon is not None:
                           BK: gl.constexpr, STAGES: gl.constexpr, HALO: gl.constexpr,
                           A_ROWS: gl.constexpr,
                           A2_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
-                          OUT_LAYOUT: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr,
-                          ASYNC_LOAD: gl.constexpr, WS: gl.constexpr):
+                          OUT_LAYOUT: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr, WS: gl.constexpr):
         BM: gl.constexpr = BD * BH * BW
         KD_PER: gl.constexpr = 3 if HALO else 1
         B_SLOTS: gl.constexpr = 4 if HALO else 1  # shared-memory shapes are powers of two
@@ -211,7 +216,7 @@ if gluon is not None:
             for i in gl.static_range(STAGES - 1):
                 if i < total:
                     _issue(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, i, i, n, d0, h0, w0, n0, Cin,
-                           blocks_c, BD, BH, BW, BK, BN, HALO, PUBLIC_REINTERPRET, ASYNC_LOAD)
+                           blocks_c, BD, BH, BW, BK, BN, HALO, PUBLIC_REINTERPRET)
             acc0 = gl.zeros([PLANE, BN], gl.float32, layout=MMA_LAYOUT)
             acc1 = gl.zeros([PLANE, BN], gl.float32, layout=MMA_LAYOUT)
             for it in range(total):
@@ -226,8 +231,7 @@ if gluon is not None:
                 nxt = it + STAGES - 1
                 if nxt < total:
                     _issue(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, nxt, nxt % STAGES, n, d0, h0,
-                           w0, n0, Cin, blocks_c, BD, BH, BW, BK, BN, HALO, PUBLIC_REINTERPRET,
-                           ASYNC_LOAD)
+                           w0, n0, Cin, blocks_c, BD, BH, BW, BK, BN, HALO, PUBLIC_REINTERPRET)
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
@@ -250,7 +254,7 @@ if gluon is not None:
                            BD, BH, BW, BN, STAGES, MMA_LAYOUT, OUT_LAYOUT)),
                 (_ws_loader, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, empty, pid, nprog,
                               num_tiles, tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c,
-                              BD, BH, BW, BK, BN, STAGES, PUBLIC_REINTERPRET, ASYNC_LOAD)),
+                              BD, BH, BW, BK, BN, STAGES, PUBLIC_REINTERPRET)),
             ], [1], [48])
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
@@ -266,7 +270,7 @@ if gluon is not None:
                 if i < total_steps:
                     _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, i, i, pid, nprog, steps,
                                 tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD, BH, BW, BK, BN,
-                                PUBLIC_REINTERPRET, ASYNC_LOAD)
+                                PUBLIC_REINTERPRET)
             acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
             for g in range(total_steps):
                 s = g % STAGES
@@ -279,7 +283,7 @@ if gluon is not None:
                 if nxt < total_steps:
                     _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, nxt, nxt % STAGES, pid,
                                 nprog, steps, tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD, BH,
-                                BW, BK, BN, PUBLIC_REINTERPRET, ASYNC_LOAD)
+                                BW, BK, BN, PUBLIC_REINTERPRET)
                 if g % steps == steps - 1:  # the tile's last step: store it, start the next at zero
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                     tn, td0, th0, tw0, tn0 = _tile_origin(pid + (g // steps) * nprog, tiles_n, tiles_w,
@@ -294,7 +298,7 @@ if gluon is not None:
     def _ws_loader(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, empty, pid, nprog, num_tiles, tiles_n,
                    tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD: gl.constexpr, BH: gl.constexpr,
                    BW: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                   PUBLIC_REINTERPRET: gl.constexpr, ASYNC_LOAD: gl.constexpr):
+                   PUBLIC_REINTERPRET: gl.constexpr):
         steps = 27 * blocks_c
         total_steps = ((num_tiles - pid + nprog - 1) // nprog) * steps
         for g in range(total_steps):
@@ -303,7 +307,7 @@ if gluon is not None:
             mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
             _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, g, s, pid, nprog, steps, tiles_n,
                         tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD, BH, BW, BK, BN,
-                        PUBLIC_REINTERPRET, ASYNC_LOAD)
+                        PUBLIC_REINTERPRET)
 
     @gluon.jit
     def _ws_mma(a_bufs, b_bufs, bars, empty, y_ptr, pid, nprog, num_tiles, tiles_n, tiles_w, tiles_h,
@@ -347,12 +351,12 @@ if gluon is not None:
     def _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, g, s, pid, nprog, steps, tiles_n,
                     tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD: gl.constexpr, BH: gl.constexpr,
                     BW: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
-                    PUBLIC_REINTERPRET: gl.constexpr, ASYNC_LOAD: gl.constexpr):
+                    PUBLIC_REINTERPRET: gl.constexpr):
         """The copies of flat step g of this program (tile g // steps of its own, step g % steps)."""
         n, d0, h0, w0, n0 = _tile_origin(pid + (g // steps) * nprog, tiles_n, tiles_w, tiles_h,
                                          tiles_d, BD, BH, BW, BN)
         _issue(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, g % steps, s, n, d0, h0, w0, n0, Cin,
-               blocks_c, BD, BH, BW, BK, BN, False, PUBLIC_REINTERPRET, ASYNC_LOAD)
+               blocks_c, BD, BH, BW, BK, BN, False, PUBLIC_REINTERPRET)
 
     @gluon.jit
     def _store(acc, y_ptr, n, d0, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
@@ -428,7 +432,7 @@ def _launch(x: torch.Tensor, wm: torch.Tensor, out: torch.Tensor, tile: GluonTil
         x_desc, xh_desc, w_desc, out, cin, cout, d, h, w, *tiles, tiles_n, num_tiles, -(-cin // tile.bk),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
         tile.bd, tile.bh, tile.bw, tile.bn, tile.bk, tile.stages, tile.halo, tile.a_rows,
-        a2, mma, out_layout, _public_reinterpret(), hasattr(tma, "async_load"), tile.ws,
+        a2, mma, out_layout, _public_reinterpret(), tile.ws,
         num_warps=tile.warps)
     return out
 
