@@ -154,13 +154,37 @@ def _in_sweep(msg: str, sweep: Any) -> str:
     return f"{msg} (a value of {sweep.input_line})"
 
 
+def schema_keys(node: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of a structured config (sections and their keys)."""
+    keys = []
+    for name in node.keys():
+        keys.append(prefix + str(name))
+        child = OmegaConf.select(node, str(name), throw_on_missing=False)
+        if OmegaConf.is_dict(child):
+            keys += schema_keys(child, f"{prefix}{name}.")
+    return keys
+
+
+def did_you_mean(key: str, node: Any) -> str:
+    """' (did you mean `epochs`?)' for a close key of the schema `node`, else ''."""
+    import difflib
+
+    keys = schema_keys(node)
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    if not close:  # a key typed without its section (`workers`) or under the wrong one
+        tail = key.rsplit(".", 1)[-1]
+        close = [k for k in keys if k != key and k.rsplit(".", 1)[-1] == tail][:1]
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
 def _apply(node: Any, key: str, value: Any, sweep: Any = None) -> None:
     try:
         OmegaConf.update(node, key, value, merge=True)
     except OmegaConfBaseException as e:
         msg = _one_line(e)
         if "not in struct" in msg or "Missing key" in msg or "Key '" in msg and "not" in msg:
-            raise ConfigError(f"{key}: unknown key (see scaffold/config.py for the schema)") from None
+            raise ConfigError(f"{key}: unknown key{did_you_mean(key, OmegaConf.structured(Config))} "
+                              "(see scaffold/config.py for the schema)") from None
         raise ConfigError(_in_sweep(f"{key}={value!r}: {msg}", sweep)) from None
 
 

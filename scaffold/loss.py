@@ -138,8 +138,17 @@ class SegmentationLoss(LadderSite, nn.Module):
     def _dice(self, inter: torch.Tensor, psum: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
         """Soft Dice per sample from its sums, averaged over the foreground classes (a class absent from
         the target scores 1): (N,)."""
+        return self._dice_classes(inter, psum, present).mean(1)
+
+    def _dice_classes(self, inter: torch.Tensor, psum: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """Soft Dice per sample and foreground class from its sums: (N, C - 1)."""
         dice = (2 * inter + self.eps) / (psum + present + self.eps)
-        return torch.where(present > 0, dice, torch.ones_like(dice)).mean(1)
+        return torch.where(present > 0, dice, torch.ones_like(dice))
+
+    def soft_dice_classes(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(N, C - 1) fp32: the soft Dice of each sample and foreground class, as the eager loss defines
+        it (an absent class scores 1); its mean over the classes is the loss's Dice term."""
+        return self._dice_classes(*self._sums(logits, labels, per_sample=True)[2:])
 
     def _sums(self, logits: torch.Tensor, labels: torch.Tensor, per_sample: bool):
         """(weighted NLL sum, its normaliser, Dice sums): over the batch, or per sample."""

@@ -10,6 +10,12 @@ def hard_dice(logits: torch.Tensor, labels: torch.Tensor, n_classes: int, shards
     """Per-sample (N,) mean over the foreground classes of the Dice of argmax(logits) against the
     labels; a class absent from both prediction and target scores 1. Counts are exact integers;
     with `shards` (a scaffold.spatial.ShardGroup) they are summed over the volume's slabs first."""
+    return hard_dice_classes(logits, labels, n_classes, shards).mean(1).float()
+
+
+def hard_dice_classes(logits: torch.Tensor, labels: torch.Tensor, n_classes: int, shards=None) -> torch.Tensor:
+    """(N, n_classes - 1) float64: each foreground class's Dice of argmax(logits) against the labels
+    (1 where the class is absent from both); `hard_dice` is its mean over the classes."""
     check_shapes(logits, labels, n_classes)
     classes = torch.arange(1, n_classes, device=labels.device).view(1, -1, 1, 1, 1)
     pred = logits.argmax(1).unsqueeze(1) == classes
@@ -23,7 +29,7 @@ def hard_dice(logits: torch.Tensor, labels: torch.Tensor, n_classes: int, shards
         both = all_sum(torch.stack([inter, total]), shards)
         inter, total = both[0], both[1]
     dice = (2 * inter).double() / total.clamp(min=1).double()
-    return torch.where(total > 0, dice, torch.ones_like(dice)).mean(1).float()
+    return torch.where(total > 0, dice, torch.ones_like(dice))
 
 
 def per_sample_loss(loss: "SegmentationLoss", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -310,20 +310,26 @@ class Trainer:
         return EpochSums(loss_sum, dice_sum, len(order), steps, timer)
 
     @torch.no_grad()
-    def eval_batch(self, net, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sample validation loss and hard Dice of one batch, on the device."""
+    def eval_batch(self, net, masks: torch.Tensor, keep: Optional[Callable[[torch.Tensor], None]] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample validation loss and hard Dice of one batch, on the device. `keep(logits)`, when
+        given, sees the batch's logits first (scaffold.predict: the predicted masks and more metrics)."""
         with self.train_step.autocast_context(self.device):
             logits = net(make_input(masks, self.vol.palette))
+        if keep is not None:
+            keep(logits)
         return (per_sample_loss(self.loss_fn, logits, masks),
                 hard_dice(logits, masks, self.n_classes, shards=self.shards))
 
     @torch.no_grad()
-    def evaluate(self) -> torch.Tensor:
+    def evaluate(self, keep: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = None
+                 ) -> torch.Tensor:
         """Per-sample validation loss and hard Dice, (2, n_val) on the device: this rank's samples
         (rank, rank + world, ..., no padding) in their own columns, zeros elsewhere. Summed over ranks
         (`fit`), every rank holds every value bit for bit (each column has one contributor, and
         x + 0 = x), so the epoch's means are summed over the same vector in the same order as in one
-        process: exact global means at any world size."""
+        process: exact global means at any world size. `keep(positions, masks, logits)`, when given,
+        sees every batch's logits (the batches then run eagerly: the same bits as the graph)."""
         model = self.model  # unwrapped: ranks evaluate different counts, so no collective may run
         model.eval()
         n, bs = self.vol.val.shape[0], self.cfg.batch_size
@@ -333,10 +339,11 @@ class Trainer:
         for i in range(0, mine.shape[0], bs):
             positions = mine[i:i + bs]
             masks = self.vol.take(self.vol.val, host[i:i + bs])
-            if self.eval_graph is not None and self.eval_graph.fits(masks):
+            if keep is None and self.eval_graph is not None and self.eval_graph.fits(masks):
                 loss, dice = self.eval_graph.run(masks)
             else:
-                loss, dice = self.eval_batch(model, masks)
+                seen = None if keep is None else (lambda logits, p=positions, m=masks: keep(p, m, logits))
+                loss, dice = self.eval_batch(model, masks, seen)
             out.index_copy_(1, positions, torch.stack([loss, dice]).float())
         model.train()
         return out
@@ -464,16 +471,9 @@ class Trainer:
             if not tr.done:
                 self._save_position(epoch, tr, t0, cpu0, ckpt_dir)
             val = self.evaluate()
-            # The one reduction and the one read of the epoch: the training sums of every rank, the
-            # validation values of every sample and whether any rank was asked to stop, summed over
-            # ranks in one all-reduce.
             stop = torch.full((1,), float(self.stop.signum is not None), device=self.device)
-            values = torch.cat([torch.stack([tr.loss, tr.dice]), val.flatten()])
-            if self.shards is not None and not self.shards.leader:
-                values = torch.zeros_like(values)  # a shard group's values are one rank's, replicated
-            reduced = distributed.all_reduce_sum(torch.cat([values[:2], stop, values[2:]]), self.place)
-            sums = torch.cat([reduced[:3], reduced[3:].view(2, -1).sum(1)])
-            loss_sum, dice_sum, stops, vloss_sum, vdice_sum = sums.tolist()
+            loss_sum, dice_sum, stops, vloss_sum, vdice_sum = self.reduce_epoch(
+                torch.stack([tr.loss, tr.dice]), stop, val)
             stop_signum = (self.stop.signum or signal.SIGTERM) if stops else 0
             n_train, n_val = tr.samples * self.mesh.data_world, val.shape[1]
             step_ms = tr.timer.median_ms()
@@ -537,6 +537,18 @@ class Trainer:
                 self.writer.flush()
                 raise Interrupted(stop_signum, f"interrupted by {signal.Signals(stop_signum).name}: stopped at "
                                                f"the end of epoch {epoch}, saved in {ckpt_dir / checkpoint.LAST}")
+
+    def reduce_epoch(self, train: torch.Tensor, stop: torch.Tensor, val: torch.Tensor) -> list[float]:
+        """The one reduction and the one read of an epoch: the training sums (loss, Dice) of every rank,
+        whether any rank was asked to stop (`stop`, (1,)) and the validation values of every sample
+        (`evaluate`'s (2, n_val)), summed over ranks in one all-reduce; returns [training loss sum,
+        training Dice sum, stop requests, validation loss sum, validation hard Dice sum]. (Also what
+        scaffold.predict sums its values with, so its means are the trainer's bit for bit.)"""
+        values = torch.cat([train, val.flatten()])
+        if self.shards is not None and not self.shards.leader:
+            values = torch.zeros_like(values)  # a shard group's values are one rank's, replicated
+        reduced = distributed.all_reduce_sum(torch.cat([values[:2], stop, values[2:]]), self.place)
+        return torch.cat([reduced[:3], reduced[3:].view(2, -1).sum(1)]).tolist()
 
     def _save_position(self, epoch: int, tr: EpochSums, t0: float, cpu0: float, ckpt_dir: Path) -> None:
         """Checkpoint an epoch stopped at a step boundary (one process), then end the run."""

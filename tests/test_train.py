@@ -159,7 +159,8 @@ def test_resume_before_the_first_checkpoint_starts_over_bitwise(baseline, cache,
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("sclae=5", "sclae: unknown key"),
+    ("sclae=5", "sclae: unknown key (did you mean `scale`?)"),
+    ("epoch=3", "epoch: unknown key (did you mean `epochs`?)"),
     ("scale=abc", "scale='abc'"),
     ("scale=3", "scale=3: expected greater than model.bottleneck (3)"),
     ("batch_size=1000", "batch_size=1000: expected at most the"),
