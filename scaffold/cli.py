@@ -28,7 +28,7 @@ from scaffold.config import OBJECTIVES, RETIRED, Config, ConfigError
 log = logging.getLogger("scaffold")
 
 # Keys a resumed run may change: they do not alter what has been computed so far.
-RESUME_MUTABLE = {"epochs", "target_dice", "checkpoint_interval", "progress", "profile", "device",
+RESUME_MUTABLE = {"epochs", "target_dice", "target_metric", "checkpoint_interval", "progress", "profile", "device",
                   "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph", "parallel.timeout_s",
                   "objective", "logger", "parallel.spatial_shards",
                   "model.recompute", "data_placement"}  # the last two: the same bits either way
@@ -54,7 +54,7 @@ def config_groups() -> dict[str, list[str]]:
             if g.is_dir() and g.name != "hydra" and not g.name.startswith(("_", "."))}
 
 
-OPTUNA_MISSING = "needs Hydra's Optuna sweeper (pip install 'scaffold[optuna]')"
+OPTUNA_MISSING = "needs Hydra's Optuna sweeper (pip install 'scaffold-unet[optuna]')"
 
 
 def _has_plugin(module: str) -> bool:
@@ -89,7 +89,7 @@ def check_launcher(parsed: list) -> None:
             continue
         if not _has_plugin("hydra_plugins.hydra_submitit_launcher"):
             raise ConfigError(f"hydra/launcher={name} needs hydra-submitit-launcher: "
-                              "pip install 'scaffold[slurm]'")
+                              "pip install 'scaffold-unet[slurm]'")
         if name != "submitit_local" and shutil.which("srun") is None:
             raise ConfigError(f"hydra/launcher={name}: Slurm's srun is not on PATH here (submit from a "
                               "Slurm login node; hydra/launcher=submitit_local runs the sweep on this "

@@ -145,6 +145,9 @@ class Config:
     """Adam learning rate (the cosine schedule's peak)."""
     target_dice: float = 0.95
     """Stop once the validation Dice reaches this."""
+    target_metric: str = choice("val_dice", "train_dice")
+    """The Dice `target_dice` is checked against: val_dice (the benchmark's) | train_dice (the epoch's
+    mean training Dice: `debug=overfit` stops on it)."""
     objective: str = choice("best_val_loss", "best_val_dice", "final_val_dice", "time_to_target")
     """What a run returns to a Hydra sweeper (Optuna's, see conf/hparams_search/), and in which direction
     it is optimized: best_val_loss (minimize) | best_val_dice (maximize) | final_val_dice (maximize) |
@@ -180,7 +183,7 @@ class Config:
     """Show a progress bar per epoch (plain lines when not on a terminal)."""
     logger: str = "none"
     """Experiment tracker fed the CSV's epoch rows and the figures: none | tensorboard (event files in
-    <run_dir>/tensorboard/; needs `pip install 'scaffold[tensorboard]'`). See scaffold/tracking.py,
+    <run_dir>/tensorboard/; needs `pip install 'scaffold-unet[tensorboard]'`). See scaffold/tracking.py,
     which also says how an MLflow or W&B tracker would plug in."""
     more_determinism: Optional[Any] = None
     """Retired. Setting it is an error that says what replaced it (`determinism`)."""

@@ -492,7 +492,8 @@ class Trainer:
             p.last_val_dice = val_dice
             if finite:
                 p.best_val_dice = max(p.best_val_dice, val_dice)
-            if finite and val_dice >= cfg.target_dice:
+            watched = dice_sum / n_train if getattr(cfg, "target_metric", "val_dice") == "train_dice" else val_dice
+            if finite and watched >= cfg.target_dice:
                 p.target_epoch = epoch
             row = {
                 "epoch": epoch, "epoch_loss": loss_sum, "overall_loss": overall,

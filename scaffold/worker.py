@@ -429,9 +429,11 @@ def _result(job: Job, progress: Progress) -> dict:
         if job.resume:  # a resumed sweep job: its sweep's summary.md would otherwise show the old results
             report.refresh_summary(job.run_dir)
     if progress.time_to_target is not None:
-        log.info("time to target: %.2f s (val dice %.4f >= %.2f at epoch %d, %d optimizer steps; wall clock "
+        watched = ("train dice" if getattr(cfg, "target_metric", "val_dice") == "train_dice"
+                   else f"val dice {progress.last_val_dice:.4f}")
+        log.info("time to target: %.2f s (%s >= %.2f at epoch %d, %d optimizer steps; wall clock "
                  "from the first step, checkpoints included; start-up %.1f s before it); results in %s",
-                 progress.time_to_target, progress.last_val_dice, cfg.target_dice, progress.target_epoch,
+                 progress.time_to_target, watched, cfg.target_dice, progress.target_epoch,
                  progress.total_steps, job.startup_s, job.run_dir)
     else:
         log.info("target val dice %.2f not reached in %d epochs (last %.4f, best val loss at epoch %d, "
