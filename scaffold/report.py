@@ -1,6 +1,6 @@
 """What a user reads after a run: figures from train_stats.csv, and a sweep's summary table.
 
-Figures need matplotlib (`pip install scaffold[plots]`); without it a run says so in one line and goes on.
+Figures need matplotlib (`pip install scaffold-unet[plots]`); without it a run says so in one line and goes on.
 The sweep summary is a Hydra callback (configured in conf/config.yaml): when a multirun ends it collects
 every job's result.json into summary.csv and summary.md in the sweep directory. A resumed job refreshes
 its sweep's summary; `python -m scaffold.report DIR [--sort COLUMN]` rebuilds one for any sweep or tree
@@ -63,7 +63,7 @@ def plot_run(run_dir: Path, target_dice: float | None = None) -> list[Path]:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        log.info("figures skipped: matplotlib is not installed (pip install 'scaffold[plots]')")
+        log.info("figures skipped: matplotlib is not installed (pip install 'scaffold-unet[plots]')")
         return []
     rows = read_rows(stats)
     if not rows:

@@ -2,7 +2,7 @@
 
 `logger=none` (the default) tracks nothing beyond the run directory; `logger=tensorboard` writes
 TensorBoard event files under `<run_dir>/tensorboard/` (`tensorboard --logdir outputs`), which needs the
-extra: `pip install 'scaffold[tensorboard]'`.
+extra: `pip install 'scaffold-unet[tensorboard]'`.
 
 A tracker sees one row per epoch, the same dict the CSV is written from, after the epoch's single read
 of the device: it never runs inside a step, so it adds no host synchronisation. Only rank 0 tracks,
@@ -86,7 +86,7 @@ def check_available(logger: str) -> None:
     package = REQUIRES.get(logger)
     if package is not None and importlib.util.find_spec(package) is None:
         raise ConfigError(f"logger={logger} needs the {package} package: "
-                          f"pip install 'scaffold[{logger}]'")
+                          f"pip install 'scaffold-unet[{logger}]'")
 
 
 def make_tracker(cfg: Any, run_dir: Path, resume_epoch: int = 0) -> Tracker:

@@ -4,7 +4,7 @@
     python -m scaffold.train scale=7 epochs=2     # the GPU benchmark size, 128³
     python -m scaffold.train -m scale=4,5 seed=0,1   # a sweep; summary.md lands in the sweep directory
     python -m scaffold.train resume=outputs/2026-12-02/10-00-00   # continue a run bit for bit
-    python -m scaffold.train -m hparams_search=optuna_lr   # Optuna search (pip install 'scaffold[optuna]')
+    python -m scaffold.train -m hparams_search=optuna_lr   # Optuna search (pip install 'scaffold-unet[optuna]')
 
 Overrides are checked against the schema (scaffold/config.py) before Hydra starts, so a typo or a bad value
 costs one line and exit code 2, not a traceback. The run itself is scaffold.worker.run; the task returns

@@ -156,7 +156,7 @@ def test_hydra_submitit_local_launcher_runs_a_sweep(cache, tmp_path):
     """The Slurm path without Slurm: hydra-submitit-launcher's local executor runs two jobs of a sweep
     in their own processes and the sweep summary collects both."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
-                        reason="the slurm extra (pip install 'scaffold[slurm]') is part of the test install")
+                        reason="the slurm extra (pip install 'scaffold-unet[slurm]') is part of the test install")
     args = ["-m", "hydra/launcher=submitit_local", "seed=0,1", *TINY, "epochs=1", f"data.cache_dir={cache}",
             f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.launcher.timeout_min=5"]
     res = subprocess.run([sys.executable, "-m", "scaffold.train", *args], cwd=tmp_path, capture_output=True,

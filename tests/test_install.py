@@ -24,6 +24,6 @@ def test_cpu_training_without_triton(cache, tmp_path):
     res = cli(*TINY, "epochs=1", "ladder.conv=triton", f"data.cache_dir={cache}", cwd=tmp_path,
               env={"PYTHONPATH": f"{site}:{REPO}"})
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "Triton is not installed (pip install 'scaffold[triton]')" in res.stderr
+    assert "Triton is not installed (pip install 'scaffold-unet[triton]')" in res.stderr
     assert "ModuleNotFoundError" not in res.stderr and "Traceback" not in res.stderr
     assert (next(tmp_path.glob("outputs/*/*")) / "train_stats.csv").exists()

@@ -8,7 +8,7 @@ from helpers import REPO, cli as run_cli
 from scaffold import cli
 from scaffold.config import ConfigError
 
-MISSING = "hydra/launcher=slurm needs hydra-submitit-launcher: pip install 'scaffold[slurm]'"
+MISSING = "hydra/launcher=slurm needs hydra-submitit-launcher: pip install 'scaffold-unet[slurm]'"
 
 # Installed as sitecustomize in a subprocess: the plugin looks absent to the pre-flight check.
 BLOCK_SUBMITIT = """

@@ -104,7 +104,7 @@ def test_preflight_error_is_one_line_without_traceback(tmp_path):
 @pytest.mark.slow
 def test_optuna_sweep_of_two_trials_reports_the_objective(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper",
-                        reason="the optuna extra (pip install 'scaffold[optuna]') is part of the test "
+                        reason="the optuna extra (pip install 'scaffold-unet[optuna]') is part of the test "
                                "install")
     sweep = tmp_path / "sweep"
     res = run_cli("-m", "hparams_search=optuna_lr", "hydra.sweeper.n_trials=2", "lr=interval(0.0005,0.002)",

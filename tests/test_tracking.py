@@ -56,5 +56,5 @@ def test_missing_tensorboard_fails_before_any_work(cache, tmp_path, monkeypatch)
         worker.run(tiny_cfg(cache, "logger=tensorboard", f"data.cache_dir={tmp_path / 'cache'}"),
                    tmp_path / "run")
     assert str(err.value) == ("logger=tensorboard needs the tensorboard package: "
-                              "pip install 'scaffold[tensorboard]'")
+                              "pip install 'scaffold-unet[tensorboard]'")
     assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()

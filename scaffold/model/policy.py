@@ -178,7 +178,7 @@ def kernel_module(name: str) -> Any:
         except Exception as exc:  # a missing or broken kernel module
             _LOADED[name] = None
             if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "triton":
-                why = "Triton is not installed (pip install 'scaffold[triton]')"
+                why = "Triton is not installed (pip install 'scaffold-unet[triton]')"
             else:
                 why = f"{name}: {type(exc).__name__}: {exc}".splitlines()[0]
             warnings.warn(f"Triton rung unavailable, running vendor: {why}", LadderWarning, stacklevel=2)
