@@ -153,15 +153,42 @@ def _summary_row(run: Path, root: Path) -> dict[str, Any]:
         source = res
         row["status"] = "reached target" if res.get("time_to_target_s") is not None else "epoch cap"
     else:
-        # No result: the run failed, was killed or is still running.
+        # No result: the run failed, was stopped or killed, or is still running.
         source = record
-        row["status"] = "unreadable result.json" if (run / "result.json").exists() else "failed"
+        row["status"] = "unreadable result.json" if (run / "result.json").exists() else _unfinished(run, row)
     overrides = list(source.get("overrides", []))
     row["overrides"] = " ".join(overrides)
     row["resumes"] = "; ".join(" ".join([f"@{r.get('at_epoch')}", *r.get("overrides", [])])
                                for r in source.get("resumes", []))
     row["_overrides"] = dict(_split_override(o) for o in overrides)
     return row
+
+
+def _unfinished(run: Path, row: dict[str, Any]) -> str:
+    """The status of a run without a result (running; interrupted, with what a resume continues; or
+    failed), and its metrics so far from train_stats.csv into `row`."""
+    from scaffold import checkpoint, rundir
+
+    try:
+        rows = read_rows(run / "train_stats.csv") if (run / "train_stats.csv").exists() else []
+    except Exception:  # noqa: BLE001 - a damaged CSV only loses the metrics so far
+        rows = []
+    if rows:
+        last, best = rows[-1], [r for r in rows if r.get("is_best") == "1"]
+        row.update({"epochs": int(last["epoch"]), "optimizer_steps": int(last["total_optimizer_steps"]),
+                    "final_val_dice": float(last["val_dice"])})
+        if best:
+            row.update({"best_epoch": int(best[-1]["epoch"]), "best_val_loss": float(best[-1]["val_loss_avg"])})
+    try:
+        rundir.check_free(run)
+    except rundir.RunDirBusy:
+        return "running"
+    except OSError:
+        pass
+    folder = run / "checkpoints"
+    if (folder / checkpoint.LAST).exists() or (folder / checkpoint.BEST).exists():
+        return f"interrupted (resume={run})"
+    return "failed"
 
 
 def _split_override(item: str) -> tuple[str, str]:

@@ -28,3 +28,17 @@ def test_the_separate_head_variant_builds_the_model_without_the_fusion():
     assert fused.fuse_head and not apart.fuse_head and cfg.model.recompute == "off"
     both, _, cfg = build("ladder+recompute+separatehead", 4, 8, torch.device("cpu"))
     assert not both.fuse_head and cfg.model.recompute == "blocks"
+
+
+def test_breakdown_without_cuda_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from scaffold.bench import minibatch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "m.json"
+    assert minibatch.main(["--scale", "3", "--width", "4", "--variants", "vendor", "--steps", "1", "--reps", "1",
+                           "--warmup", "0", "--breakdown", "--out", str(out)]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("--breakdown:") and "no CUDA device" in err[0]
+    assert out.is_file()

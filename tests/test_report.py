@@ -108,3 +108,26 @@ def test_report_errors_are_one_line(tmp_path, capsys):
     assert report.main([str(tmp_path), "--sort", "speed"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --sort speed: no such column")
+
+
+def test_unfinished_runs_interrupted_running_failed(tmp_path):
+    from scaffold import rundir
+    from scaffold.stats import COLUMNS, StatsFile
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1", "2"):
+        fake_run(sweep / job, [f"seed={job}"])
+    for job in ("0", "1"):  # two epochs trained, then stopped (no result.json)
+        stats = StatsFile(sweep / job / "train_stats.csv")
+        for epoch, best in ((1, True), (2, False)):
+            stats.append({**{c: 0.0 for c in COLUMNS}, "epoch": epoch, "total_optimizer_steps": 3 * epoch,
+                          "val_dice": 0.5 + epoch / 10, "val_loss_avg": 1.0 / epoch, "is_best": best})
+        (sweep / job / "checkpoints" / "last.pt").write_bytes(b"x")
+    lock = rundir.RunLock(sweep / "1")  # job 1 is still training
+    try:
+        rows = summary_rows(sweep) if report.summarize_sweep(sweep) else []
+    finally:
+        lock.release()
+    assert [r["status"] for r in rows] == [f"interrupted (resume={sweep / '0'})", "running", "failed"]
+    assert rows[0]["epochs"] == "2" and rows[0]["optimizer_steps"] == "6" and rows[0]["best_epoch"] == "1"
+    assert float(rows[0]["final_val_dice"]) == 0.7

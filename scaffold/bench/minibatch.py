@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -188,6 +189,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device, scale = model_bench_setup(args.scale)
     cuda = device.type == "cuda"
+    if args.breakdown and not cuda:
+        print("--breakdown: the device time by part comes from CUDA kernel timings, and no CUDA device is "
+              "here; timing the whole steps only", file=sys.stderr)
     results = []
     for v in args.variants.split(","):
         try:
