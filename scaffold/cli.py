@@ -188,6 +188,22 @@ def _apply(node: Any, key: str, value: Any, sweep: Any = None) -> None:
         raise ConfigError(_in_sweep(f"{key}={value!r}: {msg}", sweep)) from None
 
 
+def resolve_auto_resume(argv: list[str]) -> list[str]:
+    """`resume=auto` with `hydra.run.dir=DIR`: `resume=DIR` when DIR holds a run (a requeued job
+    continues it), else a new run in DIR (the job's first start)."""
+    if "resume=auto" not in argv:
+        return argv
+    dirs = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    if not dirs or "${" in dirs[-1] or any(a in ("-m", "--multirun") for a in argv):
+        raise ConfigError("resume=auto: needs one fixed hydra.run.dir=<the job's run directory> (e.g. "
+                          "hydra.run.dir=outputs/slurm-$SLURM_JOB_ID), continued when it holds a run")
+    rest = [a for a in argv if a != "resume=auto"]
+    if (Path(dirs[-1]) / "run.json").exists():
+        log.info("resume=auto: %s holds a run: continuing it", dirs[-1])
+        return [a for a in rest if not a.startswith("hydra.run.dir=")] + [f"resume={dirs[-1]}"]
+    return rest
+
+
 def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
               check: Any = None) -> list[str]:
     """Check overrides against the schema and `check` (the whole-config check, scaffold.plan.validate,
@@ -197,6 +213,8 @@ def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
         from scaffold.plan import validate as check
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+
+    argv = resolve_auto_resume(argv)
 
     args = [a for a in argv if ("=" in a or a.startswith("~")) and not a.startswith("-")]
     try:

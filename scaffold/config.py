@@ -176,7 +176,9 @@ class Config:
     warmup_steps: int = 2
     """Untimed steps before the first epoch (compilation, allocation); rolled back afterwards."""
     resume: Optional[str] = None
-    """A run directory to continue bit for bit from its last checkpoint."""
+    """A run directory to continue bit for bit from its last checkpoint; auto (with a fixed
+    hydra.run.dir): continue the run in that directory if it holds one, else start it there (a
+    requeued Slurm job continues instead of being refused)."""
     profile: bool = False
     """Write a torch profiler trace of a few steps of the first epoch to the run directory."""
     progress: bool = True

@@ -54,8 +54,12 @@ class Interrupted(RuntimeError):
         self.signum = signum
 
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
+
+
 class StopRequest:
-    """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C), turned into a stop at a clean point.
+    """SIGTERM (a scheduler's preemption), SIGUSR1 (a scheduler's warning before it, e.g. Slurm's
+    `--signal=USR1@120`) and SIGINT (Ctrl-C), turned into a stop at a clean point.
 
     While the training loop runs (`armed`), a signal only sets `signum`: the loop stops at the next
     step boundary and checkpoints its position, never in the middle of a step. Outside the loop (dataset,
@@ -79,8 +83,8 @@ class StopRequest:
         import threading
 
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            signal.signal(signal.SIGTERM, self)
-            signal.signal(signal.SIGINT, self)
+            for s in STOP_SIGNALS:
+                signal.signal(s, self)
             self.installed = True
 
 

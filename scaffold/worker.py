@@ -118,13 +118,15 @@ def claim(run_dir: Path, resume: bool) -> rundir.RunLock:
 def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[str]] = None) -> dict:
     """Train one model; returns the result summary (also written to run_dir/result.json).
 
-    SIGTERM and SIGINT stop training at a step boundary with the position checkpointed (scaffold.trainer.
+    SIGTERM, SIGUSR1 and SIGINT stop training at a step boundary with the position checkpointed (scaffold.trainer.
     StopRequest), raising scaffold.trainer.Interrupted; the handlers and the run directory's lock are
     given back when this returns or raises."""
     import signal
 
     stop, held = StopRequest(), []
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    from scaffold.trainer import STOP_SIGNALS
+
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     stop.install()
     try:
         return _run(cfg, Path(run_dir), resume, overrides, stop, held)

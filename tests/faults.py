@@ -3,10 +3,10 @@
     torchrun --standalone --nproc-per-node=3 tests/faults.py kill=1@5 KEY=VALUE ...
 
 `kill=R@N` SIGKILLs rank R when it begins its N-th optimizer step (counted from the first step of the
-first epoch); `raise=R@N` makes it raise instead; `term=R@N` and `int=R@N` send it SIGTERM or SIGINT
-there (the step then runs, as it would when the signal lands during it). `enospc=N` makes the N-th
-checkpoint write fail with ENOSPC after writing some bytes, as a full disk does. Without torchrun the
-one process is rank 0. The other arguments go to scaffold.train as they are.
+first epoch); `raise=R@N` makes it raise instead; `term=R@N`, `int=R@N` and `usr1=R@N` send it
+SIGTERM, SIGINT or SIGUSR1 there (the step then runs, as it would when the signal lands during it).
+`enospc=N` makes the N-th checkpoint write fail with ENOSPC after writing some bytes, as a full disk
+does. Without torchrun the one process is rank 0. The other arguments go to scaffold.train as they are.
 
 Also a library of the tests' other injections: `sitecustomize` source that makes a folder look like a
 read-only filesystem to the process, and byte flips.
@@ -20,7 +20,7 @@ from pathlib import Path
 from scaffold.trainer import Trainer
 from scaffold.train import main
 
-SIGNALS = {"term": signal.SIGTERM, "int": signal.SIGINT}
+SIGNALS = {"term": signal.SIGTERM, "int": signal.SIGINT, "usr1": signal.SIGUSR1}
 
 
 def _inject(kind: str, rank: int, at: int) -> None:
