@@ -112,6 +112,18 @@ def _checkpoint(run_dir: Path, name: str) -> tuple[dict, Path]:
     return checkpoint.load_one(path), path  # verified: CheckpointError names the file in one line
 
 
+def _check_out(out: Path) -> None:
+    """The output folder can be created: its nearest existing ancestor is a writable folder."""
+    from scaffold.cli import _probe_writable
+
+    ancestor = out.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    why = "not a folder" if not ancestor.is_dir() else _probe_writable(ancestor)
+    if why:
+        raise PredictError(f"out={out}: cannot create the folder ({ancestor}: {why})")
+
+
 def _dataset(cfg: Any, p: PredictConfig) -> tuple[Path, Any, Any]:
     """(path, info, masks of the split as a numpy array)."""
     from scaffold.data import store
@@ -358,10 +370,7 @@ def run(p: PredictConfig) -> dict:
     stem = Path(ckpt).stem
     out = Path(p.out) if p.out else run_dir / "predict" / (
         f"{stem}-{p.split}" + ("" if p.input is None else f"-{Path(p.input).stem}"))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PredictError(f"out={out}: cannot create the folder ({e.strerror or e})") from None
+    _check_out(out)  # created once the predictions exist: a refused input leaves no folder behind
 
     determinism.configure(cfg.determinism)  # before anything touches CUDA
     # The run's decisions for one process on this device (the trainer's own plan where the run was one
@@ -405,6 +414,10 @@ def run(p: PredictConfig) -> dict:
     attrs = {"run": str(run_dir), "checkpoint": str(ckpt), "epoch": epoch, "split": p.split, "input": str(path),
              "device": summary["device"], "scaffold": scaffold.__version__,
              "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PredictError(f"out={out}: cannot create the folder ({e.strerror or e})") from None
     write_predictions(out / "predictions.h5", s, attrs)
     write_tables(out, s, summary)
     figures = write_figures(out, masks, s, np.asarray(info.palette), pick_volumes(s.dice, p.figures),
@@ -499,7 +512,8 @@ def main() -> None:
         sys.exit(2)
     _register()
     given = {a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:]}
-    sys.argv = sys.argv + [q for q in QUIET_HYDRA if q.split("=", 1)[0] not in given]
+    # Before the user's arguments: Hydra's flags (--cfg job) take no overrides after them.
+    sys.argv = sys.argv[:1] + [q for q in QUIET_HYDRA if q.split("=", 1)[0] not in given] + sys.argv[1:]
     hydra.main(config_path=None, config_name="scaffold_predict", version_base=None)(_task)()
 
 

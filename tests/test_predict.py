@@ -95,12 +95,27 @@ def test_cli_writes_into_the_run_and_refuses_a_damaged_checkpoint(trained, tmp_p
     (("run=RUN", "chekpoint=last"), "chekpoint: unknown key (did you mean `checkpoint`?)"),
     (("run=RUN", "split=test"), "split='test': expected val | train"),
     (("run=RUN", "checkpoint=/no/file.pt"), "checkpoint=/no/file.pt: no such file"),
+    (("run=RUN", "input=/no/file.h5"), "input=/no/file.h5: no such file"),
 ])
 def test_bad_arguments_are_one_line(trained, tmp_path, args, expected):
     res = cli(*(a.replace("RUN", str(trained)) for a in args), cwd=tmp_path, module="scaffold.predict")
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], res.stderr
+
+
+@pytest.mark.gpu
+def test_predict_on_cuda_reproduces_the_graphed_evaluation(cache, tmp_path):
+    """On CUDA the trainer evaluates through a captured graph with bf16 autocast and the ladder's Triton
+    rungs; predict runs the same evaluation eagerly: the same bits."""
+    run_dir = tmp_path / "run"
+    result = worker.run(tiny_cfg(cache, *OVERRIDES, "device=cuda", "scale=4", "model.bottleneck=3"), run_dir)
+    assert result["cuda_graph"]
+    summary = predict.run(predict.PredictConfig(run=str(run_dir), checkpoint="last", device="cuda",
+                                                out=str(tmp_path / "out"), figures=0))
+    rows = {int(r["epoch"]): r for r in read_rows(run_dir / "train_stats.csv")}
+    assert summary["dice"] == float(rows[summary["epoch"]]["val_dice"])
+    assert summary["loss"] == float(rows[summary["epoch"]]["val_loss_avg"])
 
 
 def test_help_lists_the_keys(tmp_path):
