@@ -28,7 +28,6 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import io
-import json
 import logging
 import sys
 import time
@@ -140,14 +139,15 @@ def _dataset(cfg: Any, p: PredictConfig) -> tuple[Path, Any, Any]:
         raise PredictError(f"input={path}: {str(e).splitlines()[0]}") from None
     edge = 2 ** int(cfg.scale)
     if info.edge != edge:
-        raise PredictError(f"input={path}: volumes of {info.edge}³, the run's model takes {edge}³ (scale {cfg.scale})")
+        raise PredictError(f"input={path}: volumes of {info.edge}³, the run's model takes {edge}³ "
+                           f"(scale {cfg.scale})")
     if info.n_classes != int(cfg.data.n_categories) + 1:
         raise PredictError(f"input={path}: {info.n_classes} labels, the run's model predicts "
                            f"{int(cfg.data.n_categories) + 1}")
     return path, info, store.load_masks(path, p.split)
 
 
-def _loss_counts(cfg: Any, info: Any, path: Path, own: bool):
+def _loss_counts(cfg: Any, info: Any, path: Path):
     """The class counts the run's loss weights came from: its training split's (all of it, or the sampled
     fraction); an `input` file's own training split stands in for another file."""
     from scaffold.data import store
@@ -381,7 +381,7 @@ def run(p: PredictConfig) -> dict:
     n = masks.shape[0]
     determinism.seed_all(cfg.seed)
     model = UNet3d.from_config(cfg, info.n_classes, plan).to_device(device)
-    loss_fn = SegmentationLoss(class_weights(_loss_counts(cfg, info, path, p.input is None)),
+    loss_fn = SegmentationLoss(class_weights(_loss_counts(cfg, info, path)),
                                rung=cfg.ladder.loss).to(device)
     split = torch.from_numpy(masks)
     check_labels(split, info.n_classes)

@@ -118,9 +118,9 @@ def claim(run_dir: Path, resume: bool) -> rundir.RunLock:
 def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[str]] = None) -> dict:
     """Train one model; returns the result summary (also written to run_dir/result.json).
 
-    SIGTERM, SIGUSR1 and SIGINT stop training at a step boundary with the position checkpointed (scaffold.trainer.
-    StopRequest), raising scaffold.trainer.Interrupted; the handlers and the run directory's lock are
-    given back when this returns or raises."""
+    SIGTERM, SIGUSR1 and SIGINT stop training at a step boundary with the position checkpointed
+    (scaffold.trainer.StopRequest), raising scaffold.trainer.Interrupted; the handlers and the run
+    directory's lock are given back when this returns or raises."""
     import signal
 
     stop, held = StopRequest(), []
