@@ -60,6 +60,15 @@ class DataConfig:
     each axis mean-centred and min-max scaled to a range of 2; our contraction test kept as a guard) |
     rms (this project's earlier rule: centred and divided by the RMS radius, so the three variances sum
     to 1; datasets made with it stay reproducible)."""
+    sampler: str = "upstream"
+    """The chaos game that draws every point cloud: upstream (upstream ScaFFold's: one chain per cloud
+    from the origin, no burn-in, edge³/256 points, runaway beyond 1e10; instances keep their class's map
+    probabilities and attenuate a diverging variant) | chains (this project's earlier sampler: 1,024
+    chains from uniform starts, 20 burn-in steps, 4,096 points judge a class; its datasets stay
+    reproducible byte for byte)."""
+    class_scale: int = 7
+    """Upstream sampler: the scale whose point count ((2^class_scale)³/256, 8,192 at 7) judges a class,
+    so one class library serves every scale. The shipped library is judged at 7."""
     ce_weight_sample_fraction: float = 1.0
     """Share of the training masks, evenly spaced, whose voxel counts set the cross-entropy class
     weights (1 = all of them; upstream ScaFFold samples 0.1). Does not change the dataset."""
@@ -238,6 +247,11 @@ def validate_data(data: Any, scale: int) -> None:
     top, shown = (1.0, "1") if rule == "upstream" else (1 / 3, "1/3")
     _need(0 < data.variance_threshold < top, "data.variance_threshold",
           f"a number in (0, {shown}) under data.class_rule={rule}", data.variance_threshold)
+    sampler = getattr(data, "sampler", "upstream")
+    _need(sampler in ("upstream", "chains"), "data.sampler", "upstream | chains", sampler)
+    class_scale = getattr(data, "class_scale", 7)
+    _need(isinstance(class_scale, int) and 4 <= class_scale <= 9, "data.class_scale", "an integer in [4, 9]",
+          class_scale)
     fraction = getattr(data, "ce_weight_sample_fraction", 1.0)
     _need(_finite(fraction) and 0 < fraction <= 1, "data.ce_weight_sample_fraction", "a number in (0, 1]",
           fraction)
