@@ -178,9 +178,12 @@ class Config:
     tenth of its memory, else host) | device (indexed there: no copy per step) | host (pinned host
     memory; each step copies its volumes over asynchronously, without waiting for the device)."""
     checkpoint_interval: int = 1
-    """Write the `last` checkpoint every this many epochs (0 = never; `best` is always kept)."""
+    """Write the `last` checkpoint every this many epochs (0 = never; `best` is always kept; -1 = no
+    checkpoint at all, not even `best` or the final epoch's, as upstream ScaFFold's -1: such a run
+    cannot be resumed)."""
     warmup_steps: int = 2
-    """Untimed steps before the first epoch (compilation, allocation); rolled back afterwards."""
+    """Untimed steps before the first epoch (compilation, allocation), on distinct training batches,
+    then up to as many validation batches, on a copy of the model: the run's state is untouched."""
     resume: Optional[str] = None
     """A run directory to continue bit for bit from its last checkpoint."""
     profile: bool = False
@@ -278,7 +281,7 @@ def check(cfg: Any) -> None:
     dev = str(cfg.device)
     _need(dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:"), "device",
           "auto | cpu | cuda | cuda:N", cfg.device)
-    _need(cfg.checkpoint_interval >= 0, "checkpoint_interval", "an integer >= 0",
+    _need(cfg.checkpoint_interval >= -1, "checkpoint_interval", "an integer >= -1 (-1 = no checkpoint at all)",
           cfg.checkpoint_interval)
     _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)
     _need(_finite(cfg.parallel.timeout_s) and cfg.parallel.timeout_s > 0, "parallel.timeout_s",
