@@ -23,6 +23,7 @@ the edge) and voxelized; instances are drawn in order, so later ones overwrite e
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,13 +194,14 @@ def plan_dataset(data_cfg, scale: int, seed: int, classes: np.ndarray) -> Plan:
                 volumes=volumes, n_val=n_val, sampler=str(getattr(data_cfg, "sampler", "upstream")))
 
 
-def render_volumes(plan: Plan, indices: list[int]) -> list[np.ndarray]:
-    """The masks of several volumes; under the upstream sampler all their instances' chains run side
-    by side (in batches of at most POINTS_PER_BATCH points), which gives the same bits as one by one."""
+def render_volumes(plan: Plan, indices: list[int]) -> Iterator[np.ndarray]:
+    """The masks of several volumes, one after another (a consumer that drops each before the next
+    keeps one mask's memory); under the upstream sampler all their instances' chains run side by side
+    (in batches of at most POINTS_PER_BATCH points), which gives the same bits as one by one."""
     if plan.sampler != "upstream":
-        return [render_volume(plan, i) for i in indices]
+        yield from (render_volume(plan, i) for i in indices)
+        return
     per_batch = max(1, POINTS_PER_BATCH // (plan.n_points * plan.volumes.shape[1]))
-    masks = []
     for start in range(0, len(indices), per_batch):
         block = indices[start:start + per_batch]
         pairs = [(int(c), int(k)) for i in block for c, k in plan.volumes[i]]
@@ -208,14 +210,13 @@ def render_volumes(plan: Plan, indices: list[int]) -> list[np.ndarray]:
             mask = np.zeros(plan.edge**3, dtype=np.uint8)
             for class_index, _ in plan.volumes[i]:
                 mask[voxelize(next(clouds), plan.edge)] = class_index + 1
-            masks.append(mask.reshape((plan.edge,) * 3))
-    return masks
+            yield mask.reshape((plan.edge,) * 3)
 
 
 def render_volume(plan: Plan, index: int) -> np.ndarray:
     """The uint8 mask (E, E, E) of volume `index`: instances overlaid in order, later on top."""
     if plan.sampler == "upstream":
-        return render_volumes(plan, [index])[0]
+        return next(render_volumes(plan, [index]))
     edge = plan.edge
     mask = np.zeros(edge**3, dtype=np.uint8)
     for class_index, instance in plan.volumes[index]:
