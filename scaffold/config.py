@@ -64,7 +64,7 @@ class DataConfig:
     each axis mean-centred and min-max scaled to a range of 2; our contraction test kept as a guard) |
     rms (this project's earlier rule: centred and divided by the RMS radius, so the three variances sum
     to 1; datasets made with it stay reproducible)."""
-    sampler: str = "upstream"
+    sampler: str = choice("upstream", "chains")
     """The chaos game that draws every point cloud: upstream (upstream ScaFFold's: one chain per cloud
     from the origin, no burn-in, edge³/256 points, runaway beyond 1e10; instances keep their class's map
     probabilities and attenuate a diverging variant) | chains (this project's earlier sampler: 1,024
@@ -255,7 +255,8 @@ def validate_data(data: Any, scale: int) -> None:
     _need(0 < data.variance_threshold < top, "data.variance_threshold",
           f"a number in (0, {shown}) under data.class_rule={rule}", data.variance_threshold)
     sampler = getattr(data, "sampler", "upstream")
-    _need(sampler in ("upstream", "chains"), "data.sampler", "upstream | chains", sampler)
+    samplers = choices(DataConfig, "sampler")
+    _need(sampler in samplers, "data.sampler", " | ".join(samplers), sampler)
     class_scale = getattr(data, "class_scale", 7)
     _need(isinstance(class_scale, int) and 4 <= class_scale <= 9, "data.class_scale", "an integer in [4, 9]",
           class_scale)

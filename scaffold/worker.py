@@ -484,5 +484,6 @@ def _flop_note(result: dict) -> str:
     if rate is None:
         return ""
     share = result.get("peak_fraction")
-    return f"; {rate:.1f} TFLOP/s" + (f" ({100 * share:.0f}% of the {result['bf16_peak_tflops']:.0f} TFLOP/s bf16 peak)"
-                                      if share is not None else "")
+    if share is None:
+        return f"; {rate:.1f} TFLOP/s"
+    return f"; {rate:.1f} TFLOP/s ({100 * share:.0f}% of the {result['bf16_peak_tflops']:.0f} TFLOP/s bf16 peak)"
