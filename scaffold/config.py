@@ -6,9 +6,13 @@ field can make on its own (a value among a field's choices, a number in its rang
 shape, the registered ladder rungs, the dataset's size, the memory model) are scaffold.plan's, which
 also decides every `auto`. This module imports nothing of scaffold: everything may import it.
 
-Defaults follow upstream ScaFFold's benchmark, except `scale`: its default is small enough that a plain
-`python -m scaffold.train` reaches the target Dice on a 2-core CPU in a few minutes. The GPU benchmark is
-`scale=7` (128³ volumes).
+Defaults follow upstream ScaFFold's benchmark (its chaos game and class rule, classes judged at its
+scale 7), except: `scale` (4, small enough that a plain `python -m scaffold.train` reaches the target Dice
+on a 2-core CPU in a few minutes; upstream's and the GPU benchmark's is 7), `epochs` (a cap of 50;
+upstream runs until the target), `checkpoint_interval` (every epoch, and `best`; upstream writes none),
+`warmup_steps` (2; upstream 64), `data.ce_weight_sample_fraction` (all masks; upstream 10%) and the soft
+Dice of an absent class (1; upstream's about 0). `benchmark=scaffold` sets upstream's values
+(docs/scaffold-compat.md).
 """
 from __future__ import annotations
 
@@ -60,6 +64,15 @@ class DataConfig:
     each axis mean-centred and min-max scaled to a range of 2; our contraction test kept as a guard) |
     rms (this project's earlier rule: centred and divided by the RMS radius, so the three variances sum
     to 1; datasets made with it stay reproducible)."""
+    sampler: str = choice("upstream", "chains")
+    """The chaos game that draws every point cloud: upstream (upstream ScaFFold's: one chain per cloud
+    from the origin, no burn-in, edge³/256 points, runaway beyond 1e10; instances keep their class's map
+    probabilities and attenuate a diverging variant) | chains (this project's earlier sampler: 1,024
+    chains from uniform starts, 20 burn-in steps, 4,096 points judge a class; its datasets stay
+    reproducible byte for byte)."""
+    class_scale: int = 7
+    """Upstream sampler: the scale whose point count ((2^class_scale)³/256, 8,192 at 7) judges a class,
+    so one class library serves every scale. The shipped library is judged at 7."""
     ce_weight_sample_fraction: float = 1.0
     """Share of the training masks, evenly spaced, whose voxel counts set the cross-entropy class
     weights (1 = all of them; upstream ScaFFold samples 0.1). Does not change the dataset."""
@@ -172,9 +185,12 @@ class Config:
     tenth of its memory, else host) | device (indexed there: no copy per step) | host (pinned host
     memory; each step copies its volumes over asynchronously, without waiting for the device)."""
     checkpoint_interval: int = 1
-    """Write the `last` checkpoint every this many epochs (0 = never; `best` is always kept)."""
+    """Write the `last` checkpoint every this many epochs (0 = never; `best` is always kept; -1 = no
+    checkpoint at all, not even `best` or the final epoch's, as upstream ScaFFold's -1: such a run
+    cannot be resumed)."""
     warmup_steps: int = 2
-    """Untimed steps before the first epoch (compilation, allocation); rolled back afterwards."""
+    """Untimed steps before the first epoch (compilation, allocation), on distinct training batches,
+    then up to as many validation batches, on a copy of the model: the run's state is untouched."""
     resume: Optional[str] = None
     """A run directory to continue bit for bit from its last checkpoint; auto (with a fixed
     hydra.run.dir): continue the run in that directory if it holds one, else start it there (a
@@ -243,6 +259,12 @@ def validate_data(data: Any, scale: int) -> None:
     top, shown = (1.0, "1") if rule == "upstream" else (1 / 3, "1/3")
     _need(0 < data.variance_threshold < top, "data.variance_threshold",
           f"a number in (0, {shown}) under data.class_rule={rule}", data.variance_threshold)
+    sampler = getattr(data, "sampler", "upstream")
+    samplers = choices(DataConfig, "sampler")
+    _need(sampler in samplers, "data.sampler", " | ".join(samplers), sampler)
+    class_scale = getattr(data, "class_scale", 7)
+    _need(isinstance(class_scale, int) and 4 <= class_scale <= 9, "data.class_scale", "an integer in [4, 9]",
+          class_scale)
     fraction = getattr(data, "ce_weight_sample_fraction", 1.0)
     _need(_finite(fraction) and 0 < fraction <= 1, "data.ce_weight_sample_fraction", "a number in (0, 1]",
           fraction)
@@ -269,7 +291,7 @@ def check(cfg: Any) -> None:
     dev = str(cfg.device)
     _need(dev in ("auto", "cpu", "cuda") or dev.startswith("cuda:"), "device",
           "auto | cpu | cuda | cuda:N", cfg.device)
-    _need(cfg.checkpoint_interval >= 0, "checkpoint_interval", "an integer >= 0",
+    _need(cfg.checkpoint_interval >= -1, "checkpoint_interval", "an integer >= -1 (-1 = no checkpoint at all)",
           cfg.checkpoint_interval)
     _need(cfg.warmup_steps >= 0, "warmup_steps", "an integer >= 0", cfg.warmup_steps)
     _need(_finite(cfg.parallel.timeout_s) and cfg.parallel.timeout_s > 0, "parallel.timeout_s",

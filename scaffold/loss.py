@@ -21,6 +21,7 @@ voxel counts, computed on the host once.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -50,11 +51,13 @@ def class_weights(counts: Sequence[int] | np.ndarray) -> torch.Tensor:
 
 
 def sampled_counts(masks: np.ndarray, fraction: float, n_classes: int) -> np.ndarray:
-    """Voxel counts per label over an evenly spaced `fraction` of the training masks (at least one):
-    upstream ScaFFold estimates its CE weights from 10% of them. fraction = 1 counts every mask."""
+    """Voxel counts per label over an evenly spaced `fraction` of the training masks, picked as
+    upstream ScaFFold's code picks them (it estimates its CE weights from 10%): ceil(fraction * n)
+    masks (at least one), at the positions of a float32 torch.linspace(0, n - 1) truncated to
+    integers; every mask when that is all of them. fraction = 1 counts every mask."""
     n = masks.shape[0]
-    k = max(1, min(n, int(round(fraction * n))))
-    picks = np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))
+    k = min(max(math.ceil(n * float(fraction)), 1), n)
+    picks = np.arange(n) if k == n else torch.linspace(0, n - 1, steps=k).long().numpy()
     return np.bincount(masks[picks].reshape(-1), minlength=n_classes).astype(np.int64)
 
 

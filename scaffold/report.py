@@ -101,7 +101,8 @@ def plot_run(run_dir: Path, target_dice: float | None = None) -> list[Path]:
 
 
 SUMMARY_COLUMNS = ("job", "overrides", "epochs", "optimizer_steps", "final_val_dice", "best_epoch",
-                   "best_val_loss", "time_to_target_s", "startup_s", "train_time_s", "status", "resumes")
+                   "best_val_loss", "time_to_target_s", "epoch_time_to_target_s", "upstream_fom",
+                   "startup_s", "train_time_s", "status", "resumes")
 SUMMARY_FILES = ("summary.csv", "summary.md")
 
 

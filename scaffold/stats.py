@@ -14,6 +14,8 @@ The first ten columns are upstream ScaFFold's, with the same meanings:
 Ours follow:
   lr                     the learning rate the epoch trained with
   step_ms_median         median wall time of the epoch's optimizer steps (ms)
+  step_tflops            the model's FLOPs per step (scaffold/model/flops.py: convolutions, forward and
+                         backward) over step_ms_median: achieved TFLOP/s per device
   is_best                1 when this epoch is a new best so far: its val_loss_avg is lower than every
                          earlier epoch's (a tie keeps the earlier). Several rows can say 1; the best epoch
                          of the run is the last of them (result.json's best_epoch).
@@ -42,8 +44,9 @@ UPSTREAM_COLUMNS = (
     "epoch", "epoch_loss", "overall_loss", "val_loss_epoch", "val_loss_avg", "train_dice", "val_dice",
     "epoch_duration", "optimizer_steps", "total_optimizer_steps",
 )
-COLUMNS = UPSTREAM_COLUMNS + ("lr", "step_ms_median", "is_best", "train_time", "cpu_time", "load_avg")
-WALL_CLOCK = ("epoch_duration", "step_ms_median", "train_time", "cpu_time", "load_avg")
+COLUMNS = UPSTREAM_COLUMNS + ("lr", "step_ms_median", "step_tflops", "is_best", "train_time", "cpu_time",
+                              "load_avg")
+WALL_CLOCK = ("epoch_duration", "step_ms_median", "step_tflops", "train_time", "cpu_time", "load_avg")
 
 
 def load_average() -> Optional[tuple[float, float, float]]:
@@ -83,7 +86,9 @@ class StatsFile:
             self._write_atomic([])
 
     def _resume(self, last_epoch: int, known: Optional[list[dict[str, Any]]]) -> None:
-        expected = [[_cell(r[c]) for c in COLUMNS] for r in known or [] if int(r["epoch"]) <= last_epoch]
+        # (a record from before a column existed gives nan there)
+        expected = [[_cell(r.get(c, math.nan)) for c in COLUMNS] for r in known or []
+                    if int(r["epoch"]) <= last_epoch]
         problem, rows = _check(self.path, last_epoch, expected if known is not None else None)
         if problem is None:
             self._write_atomic(rows)

@@ -253,6 +253,7 @@ class Trainer:
         self.submit_s = 0.0  # host time in checkpoint submits (state, snapshot enqueue, any wait), this process
         self.eval_graph: Optional[EvalGraph] = None
         self.stop = StopRequest()
+        self.step_flops = 0  # the model's FLOPs per step on this device (set by the worker; 0: unknown)
         self.on_first_step = None  # callback() after the first real step (the census)
 
     def _train_step(self, net, optimizer) -> TrainStep:
@@ -354,11 +355,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------ before the first epoch
     def warmup(self, steps: int) -> float:
-        """Untimed steps and one evaluation batch on a copy of the model and optimizer (compilation,
-        allocation); returns seconds. The real model, optimizer and RNG streams are untouched, so the
-        trajectory does not change. A step and an evaluation batch first run with their Triton launches
-        turned into compilations on a thread pool (scaffold.kernels.lib.ahead: a cold start compiles
-        in parallel); they only prime the caches, and the copy is thrown away."""
+        """Untimed steps on up to `steps` distinct training batches, then up to `steps` validation
+        batches, as upstream ScaFFold's warm-up (its 64 and 64), on a copy of the model and optimizer
+        (compilation, allocation); returns seconds. The real model, optimizer and RNG streams are
+        untouched, so the trajectory does not change. A step and an evaluation batch first run with
+        their Triton launches turned into compilations on a thread pool (scaffold.kernels.lib.ahead: a
+        cold start compiles in parallel); they only prime the caches, and the copy is thrown away."""
         if steps <= 0:
             return 0.0
         t0 = time.perf_counter()
@@ -377,9 +379,11 @@ class Trainer:
             # without this pass, where a kernel that cannot compile falls back to its vendor op
             log.warning("compiling the kernels ahead failed (%s); compiling them at first launch instead",
                         f"{type(e).__name__}: {e}".splitlines()[0])
-        for _ in range(steps):
-            step(masks)
-        self.eval_batch(net, self.vol.first(self.vol.val, self.cfg.batch_size))
+        bs = self.cfg.batch_size
+        for split, run in ((self.vol.train, step), (self.vol.val, lambda m: self.eval_batch(net, m))):
+            for k in range(min(steps, -(-len(split) // bs))):
+                rows = torch.arange(k * bs, min((k + 1) * bs, len(split)))
+                run(self.vol.take(split, rows if self.vol.on_host else rows.to(split.device)))
         del net, step
         determinism.set_rng_state(rng)
         if self.device.type == "cuda":
@@ -473,6 +477,9 @@ class Trainer:
             with profiler or nullcontext():
                 tr = self.train_epoch(epoch, profiler, start)
             if not tr.done:
+                if cfg.checkpoint_interval < 0:  # no checkpoint at all: the run just stops
+                    raise Interrupted(self.stop.signum, f"interrupted by {signal.Signals(self.stop.signum).name}"
+                                                        f" in epoch {epoch}; checkpoint_interval=-1: nothing saved")
                 self._save_position(epoch, tr, t0, cpu0, ckpt_dir)
             val = self.evaluate()
             stop = torch.full((1,), float(self.stop.signum is not None), device=self.device)
@@ -504,6 +511,7 @@ class Trainer:
                 "val_loss_epoch": vloss_sum, "val_loss_avg": val_avg, "train_dice": dice_sum / n_train,
                 "val_dice": val_dice, "epoch_duration": duration, "optimizer_steps": tr.steps,
                 "total_optimizer_steps": p.total_steps, "lr": lr, "step_ms_median": step_ms,
+                "step_tflops": self.step_flops / (step_ms * 1e9) if self.step_flops and step_ms > 0 else math.nan,
                 "is_best": is_best, "train_time": p.train_time, "cpu_time": cpu,
                 "load_avg": load[0] if load else math.nan,
             }
@@ -521,6 +529,7 @@ class Trainer:
             interval = cfg.checkpoint_interval
             due = (interval > 0 and epoch % interval == 0) or is_best or p.target_epoch is not None \
                 or (cfg.epochs != -1 and epoch == cfg.epochs) or stop_signum
+            due = due and interval >= 0  # -1: no checkpoint at all (upstream's -1)
             # Wall clock of the epoch, everything included: up to here (what the checkpoint records),
             # then the snapshot and any wait for the previous write. The write itself runs in the
             # background during the next epoch.
@@ -540,8 +549,10 @@ class Trainer:
                 p.time_to_target = p.wall_time
             if stop_signum:
                 self.writer.flush()
+                saved = (f"saved in {ckpt_dir / checkpoint.LAST}" if interval >= 0
+                         else "checkpoint_interval=-1: nothing saved")
                 raise Interrupted(stop_signum, f"interrupted by {signal.Signals(stop_signum).name}: stopped at "
-                                               f"the end of epoch {epoch}, saved in {ckpt_dir / checkpoint.LAST}")
+                                               f"the end of epoch {epoch}, {saved}")
 
     def reduce_epoch(self, train: torch.Tensor, stop: torch.Tensor, val: torch.Tensor) -> list[float]:
         """The one reduction and the one read of an epoch: the training sums (loss, Dice) of every rank,

@@ -11,6 +11,7 @@ import datetime as _dt
 import gc
 import json
 import logging
+import math
 import os
 import platform
 import tempfile
@@ -181,6 +182,11 @@ class Result:
     # Wall clock from the first training step to the end of the epoch that reached the target,
     # everything included (evaluation, checkpoints, logging); start-up is beside it.
     time_to_target_s: Optional[float]
+    # Upstream ScaFFold's figure of merit, beside ours: the summed epoch_duration up to the target epoch
+    # (training and evaluation; checkpoints, logging and the epochs' seams excluded) and its inverse,
+    # in 1/s (higher is better).
+    epoch_time_to_target_s: Optional[float]
+    upstream_fom: Optional[float]
     target_epoch: Optional[int]
     startup_s: float
     startup: dict
@@ -203,6 +209,13 @@ class Result:
     warmup_s: float
     cuda_graph: bool
     graph_capture_s: float
+    # FLOP rate: the model's FLOPs per step on this device (convolutions, forward and backward:
+    # scaffold/model/flops.py), over the median of the epochs' median step times; the fraction of the
+    # device's dense bf16 peak (None on a CPU or an unlisted device).
+    step_tflop: float
+    step_tflops: Optional[float]
+    bf16_peak_tflops: Optional[float]
+    peak_fraction: Optional[float]
     overrides: list[str]  # those the run was started with; a resume's are in `resumes`
     resumes: list[dict]
     plan: dict  # the run's decisions (scaffold.plan.RunPlan.record)
@@ -318,6 +331,10 @@ def _build(job: Job, stop: StopRequest) -> None:
     trainer = Trainer(cfg, model, step_loss, volumes, plan.device, job.run_dir, place, ddp, mesh=job.mesh,
                       plan=plan)
     trainer.stop = stop
+    from scaffold.model.flops import config_step_flops
+
+    # This device's share of the step: a spatially sharded volume splits the FLOPs over its shards.
+    trainer.step_flops = config_step_flops(cfg, info.n_classes) / plan.spatial_shards
     job.model, job.ddp, job.trainer = model, ddp, trainer
     job.n_params = sum(p.numel() for p in model.parameters())
 
@@ -387,7 +404,8 @@ def _start(job: Job) -> None:
              f"{job.n_params:,}", plan.device, "bf16 autocast" if plan.amp_dtype else "fp32", cfg.determinism)
     warm = trainer.warmup(cfg.warmup_steps)
     if cfg.warmup_steps:
-        log.info("warm-up: %d untimed steps on a copy of the model, %.1f s", cfg.warmup_steps, warm)
+        log.info("warm-up: up to %d training and %d validation batches on a copy of the model, %.1f s",
+                 cfg.warmup_steps, cfg.warmup_steps, warm)
     captured = trainer.capture(required=plan.graph_required) if plan.cuda_graph else 0.0
     if trainer.train_step.graph is not None:
         log.info("step captured as a CUDA graph (forward, loss, backward, clip, Adam), %.1f s", captured)
@@ -412,12 +430,23 @@ def _fit(job: Job) -> Progress:
 
 def _result(job: Job, progress: Progress) -> dict:
     """result.json, the final line, and the teardown of the process group."""
+    from scaffold.model.flops import bf16_peak_tflops
+
     cfg, trainer = job.cfg, job.trainer
+    rates = sorted(r["step_tflops"] for r in trainer.rows if r["step_tflops"] == r["step_tflops"])
+    step_tflops = rates[len(rates) // 2] if rates else None
+    device = job.plan.device
+    peak = bf16_peak_tflops(device_name(device)) if device.type == "cuda" else None
+    reached = progress.time_to_target is not None
     result = asdict(Result(
         epochs=progress.epoch, optimizer_steps=progress.total_steps, best_epoch=progress.best_epoch,
         best_val_loss=progress.best_val_loss, final_val_dice=progress.last_val_dice,
         best_val_dice=progress.best_val_dice, target_dice=cfg.target_dice,
         time_to_target_s=progress.time_to_target, target_epoch=progress.target_epoch,
+        epoch_time_to_target_s=progress.train_time if reached else None,
+        upstream_fom=1.0 / progress.train_time if reached and progress.train_time > 0 else None,
+        step_tflop=trainer.step_flops / 1e12, step_tflops=step_tflops, bf16_peak_tflops=peak,
+        peak_fraction=step_tflops / peak if peak and step_tflops else None,
         startup_s=job.startup_s, startup=job.startup, wall_time_s=progress.wall_time,
         train_time_s=progress.train_time, checkpoint_wait_s=trainer.writer.waited_s,
         checkpoint_final_wait_s=trainer.final_wait_s, checkpoint_submit_s=trainer.submit_s,
@@ -434,9 +463,11 @@ def _result(job: Job, progress: Progress) -> dict:
         watched = ("train dice" if getattr(cfg, "target_metric", "val_dice") == "train_dice"
                    else f"val dice {progress.last_val_dice:.4f}")
         log.info("time to target: %.2f s (%s >= %.2f at epoch %d, %d optimizer steps; wall clock "
-                 "from the first step, checkpoints included; start-up %.1f s before it); results in %s",
+                 "from the first step, checkpoints included; start-up %.1f s before it); upstream's figure "
+                 "of merit: sum of epoch_duration %.2f s, 1/sum %.5f /s%s; results in %s",
                  progress.time_to_target, watched, cfg.target_dice, progress.target_epoch,
-                 progress.total_steps, job.startup_s, job.run_dir)
+                 progress.total_steps, job.startup_s, progress.train_time, result["upstream_fom"] or math.nan,
+                 _flop_note(result), job.run_dir)
     else:
         log.info("target val dice %.2f not reached in %d epochs (last %.4f, best val loss at epoch %d, "
                  "%d optimizer steps, %.1f s); results in %s", cfg.target_dice, progress.epoch,
@@ -449,3 +480,14 @@ def _result(job: Job, progress: Progress) -> dict:
     gc.collect()
     distributed.shutdown(job.place)
     return result
+
+
+def _flop_note(result: dict) -> str:
+    """The final line's FLOP rate: achieved TFLOP/s, and the share of the bf16 peak where known."""
+    rate = result.get("step_tflops")
+    if rate is None:
+        return ""
+    share = result.get("peak_fraction")
+    if share is None:
+        return f"; {rate:.1f} TFLOP/s"
+    return f"; {rate:.1f} TFLOP/s ({100 * share:.0f}% of the {result['bf16_peak_tflops']:.0f} TFLOP/s bf16 peak)"

@@ -48,7 +48,7 @@ def test_non_finite_points_are_rejected():
 
 
 def test_accepted_class_passes_the_threshold_on_every_axis():
-    params = library.load_library("rms")[0]
+    params = library.load_library("rms", "chains")[0]
     assert ifs.accepts(params, 0.15, rule="rms")
     shares = ifs.normalize(ifs.chaos_game(params, 4096, rng(1, "t"))).var(axis=0)
     assert shares.sum() == pytest.approx(1.0)
@@ -64,8 +64,8 @@ def _upstream_variances(points: np.ndarray) -> np.ndarray:
     return ((points - points.mean(axis=0)) * (2.0 / (hi - lo))).var(axis=0)
 
 
-def test_every_shipped_class_satisfies_upstreams_acceptance_rule():
-    classes = library.load_library()  # the default library: class_rule=upstream
+def test_every_shipped_chains_class_satisfies_upstreams_acceptance_rule_on_its_cloud():
+    classes = library.load_library("upstream", "chains")  # upstream's rule on the earlier sampler
     assert len(classes) == 64
     # Each class's candidate number (its place in the seeded draw), hence the very cloud it was judged on.
     rows = {classes[k].tobytes(): k for k in range(len(classes))}
@@ -82,17 +82,19 @@ def test_every_shipped_class_satisfies_upstreams_acceptance_rule():
         assert np.isfinite(points).all(), k
         assert (_upstream_variances(points) > 0.15).all(), (k, _upstream_variances(points))
     # The earlier rule's first five classes (the old default data) do not pass it.
-    old = library.load_library("rms")[:5]
+    old = library.load_library("rms", "chains")[:5]
     passing = [bool((_upstream_variances(ifs.chaos_game(p, ifs.SEARCH_POINTS, rng(0, "c", k))) > 0.15).all())
                for k, p in enumerate(old)]
     assert not any(passing), passing  # as measured against upstream's code: none of the five passes
 
 
-def test_the_rules_disagree_and_the_guard_is_counted():
+@pytest.mark.parametrize("sampler", ["upstream", "chains"])
+def test_the_rules_disagree_and_the_guard_is_counted(sampler):
     stats: dict = {}
-    ifs.search_classes(8, 0, 0.15, stats, rule="upstream")
+    ifs.search_classes(8, 0, 0.15, stats, rule="upstream", sampler=sampler)
     assert stats["rule"] == "upstream" and stats["accepted"] == 8 and stats["candidates"] > 8
-    assert "guard_rejected" in stats
+    assert stats["sampler"] == sampler and "guard_rejected" in stats
+    assert ("stability_rejected" in stats) == (sampler == "upstream")
 
 
 def test_chaos_game_is_deterministic_and_sized():
@@ -103,12 +105,14 @@ def test_chaos_game_is_deterministic_and_sized():
     assert not np.array_equal(a, ifs.chaos_game(params, 3000, rng(6, "t")))
 
 
-@pytest.mark.parametrize("rule", ["upstream", "rms"])
-def test_shipped_library_regenerates_identically(capsys, rule):
-    text = library.repository_library_path().with_name(library.LIBRARY_FILES[rule]).read_text(encoding="utf-8")
+@pytest.mark.parametrize("rule, sampler", sorted(library.LIBRARY_FILES))
+def test_shipped_library_regenerates_identically(capsys, rule, sampler):
+    name = library.LIBRARY_FILES[(rule, sampler)]
+    text = library.repository_library_path().with_name(name).read_text(encoding="utf-8")
     header = [line for line in text.splitlines() if line.startswith("# Regenerate:")]
-    assert header and f"--search 64 --seed 0 --threshold 0.15 --rule {rule}" in header[0]
-    assert library.main(["--search", "64", "--seed", "0", "--rule", rule]) == 0
+    assert header and f"--search 64 --seed 0 --threshold 0.15 --rule {rule} --sampler {sampler}" in header[0]
+    assert header[0].endswith(f"> data/{name}")
+    assert library.main(["--search", "64", "--seed", "0", "--rule", rule, "--sampler", sampler]) == 0
     assert capsys.readouterr().out == text
     assert len(library.parse_library(text)) == 64
 
@@ -121,7 +125,7 @@ def test_library_round_trips_exactly():
 
 def test_missing_library_is_regenerated_deterministically(monkeypatch):
     shipped = library.load_library()
-    monkeypatch.setattr(library, "_library_text", lambda rule="upstream": None)
+    monkeypatch.setattr(library, "_library_text", lambda *args: None)
     assert np.array_equal(library.load_library(), shipped)
 
 
@@ -137,7 +141,7 @@ def test_classes_for_rejects_impossible_thresholds():
 
 def test_classes_for_other_thresholds_is_a_prefix_of_the_same_search():
     assert np.array_equal(library.classes_for(5, 0.15), library.load_library()[:5])
-    assert np.array_equal(library.classes_for(5, 0.15, "rms"), library.load_library("rms")[:5])
+    assert np.array_equal(library.classes_for(5, 0.15, "rms", "chains"), library.load_library("rms", "chains")[:5])
     stricter = library.classes_for(4, 0.25, "rms")
     assert np.array_equal(stricter, ifs.search_classes(4, 0, 0.25, rule="rms"))
     assert np.array_equal(ifs.search_classes(2, 0, 0.25, rule="rms"), stricter[:2])

@@ -21,10 +21,16 @@ SCALE, SEED = 3, 5
 # Regression guard: sha256 of train masks + val masks + palette + class_counts of the SMALL dataset.
 # It changes only when the generator's output changes. If that is deliberate, bump
 # store.FORMAT_VERSION (old caches must not be reused) and record the new value printed by the failure.
-SMALL_SHA256 = "4ad63a4f6b7238698e959906113dfc34f988612e6f91d8faa00e165bf405af2d"  # class_rule=upstream
-# The same dataset under the earlier class rule: the bytes it had before upstream's rule became the
-# default (data.class_rule=rms keeps old datasets reproducible).
+SMALL_SHA256 = "7f494d4e53ffe2de8172ad40f596c81c62f510120ffa0edf901ee70c85778c36"  # the upstream sampler
+# The same dataset under the earlier chains sampler: the bytes (and the cache file name) it had before
+# upstream's sampler became the default, recorded then (data.sampler=chains keeps old datasets
+# reproducible and keeps finding their cached files).
+SMALL_SHA256_CHAINS = "4ad63a4f6b7238698e959906113dfc34f988612e6f91d8faa00e165bf405af2d"
+SMALL_NAME_CHAINS = "fractals-s3-095c790f0498.h5"
+# And under the earlier class rule too: the bytes it had before upstream's rule became the default
+# (data.class_rule=rms data.sampler=chains).
 SMALL_SHA256_RMS = "fe5b3ca78bca99a0cdbc782ddfc9086f8e5337ceeae8a51cc2cd9beeb45c62fe"
+SMALL_NAME_RMS = "fractals-s3-d08ff36fcb3b.h5"
 
 
 def small_cfg(tmp_path, **changes):
@@ -69,9 +75,20 @@ def test_recorded_checksum(small):
     assert digest(contents(small[1])) == SMALL_SHA256
 
 
+def test_the_chains_sampler_reproduces_its_old_datasets_and_file_names(tmp_path):
+    path = store.prepare(small_cfg(tmp_path, sampler="chains"), SCALE, SEED, progress=False)
+    assert digest(contents(path)) == SMALL_SHA256_CHAINS and path.name == SMALL_NAME_CHAINS
+    assert "sampler" not in json.loads(h5py.File(path, "r").attrs["config"])  # the old key, unchanged
+    default = store.dataset_path(small_cfg(tmp_path), SCALE, SEED)
+    assert default.name != SMALL_NAME_CHAINS  # the two samplers never share a file
+    provenance = json.loads(h5py.File(store.prepare(small_cfg(tmp_path), SCALE, SEED, progress=False),
+                                      "r").attrs["config"])
+    assert (provenance["sampler"], provenance["class_scale"]) == ("upstream", 7)
+
+
 def test_the_earlier_class_rule_reproduces_its_old_datasets(tmp_path):
-    path = store.prepare(small_cfg(tmp_path, class_rule="rms"), SCALE, SEED, progress=False)
-    assert digest(contents(path)) == SMALL_SHA256_RMS
+    path = store.prepare(small_cfg(tmp_path, class_rule="rms", sampler="chains"), SCALE, SEED, progress=False)
+    assert digest(contents(path)) == SMALL_SHA256_RMS and path.name == SMALL_NAME_RMS
     assert json.loads(h5py.File(path, "r").attrs["config"])["class_rule"] == "rms"  # its provenance
 
 
@@ -89,6 +106,8 @@ def test_path_depends_on_what_defines_the_data(tmp_path):
     assert store.dataset_path(cfg, SCALE, SEED + 1) != base
     assert store.dataset_path(cfg, SCALE + 1, SEED).name.startswith("fractals-s4-")
     assert store.dataset_path(small_cfg(tmp_path, variance_threshold=0.2), SCALE, SEED) != base
+    assert store.dataset_path(small_cfg(tmp_path, class_scale=6), SCALE, SEED) != base
+    assert store.dataset_path(small_cfg(tmp_path, sampler="chains"), SCALE, SEED) != base
 
 
 def test_second_prepare_reuses_the_file(small, monkeypatch):
@@ -147,6 +166,8 @@ def test_crash_during_generation_leaves_nothing(tmp_path, monkeypatch):
     ({"variance_threshold": 1.0}, SCALE, "data.variance_threshold"),
     ({"variance_threshold": 0.4, "class_rule": "rms"}, SCALE, "data.variance_threshold"),
     ({"n_categories": 1, "n_instances": 3}, SCALE, "data.n_instances"),
+    ({"sampler": "serial"}, SCALE, "data.sampler"),
+    ({"class_scale": 10}, SCALE, "data.class_scale"),
 ])
 def test_bad_config_fails_before_any_work(tmp_path, monkeypatch, changes, scale, key):
     monkeypatch.setattr(store, "_write", lambda *a, **k: pytest.fail("started generating"))

@@ -67,12 +67,14 @@ def test_voxelize_fits_the_bounding_box_to_the_grid():
     assert cells.tolist() == [[0, 2, 2], [7, 6, 6], [4, 4, 4]]
 
 
-def test_later_fractals_overwrite_earlier_ones(monkeypatch):
+@pytest.mark.parametrize("sampler", ["upstream", "chains"])
+def test_later_fractals_overwrite_earlier_ones(monkeypatch, sampler):
     shared = np.random.default_rng(0).uniform(-1, 1, size=(200, 3))
     monkeypatch.setattr(volumes, "instance_points", lambda *args: (shared, 1.0))
+    monkeypatch.setattr(volumes, "upstream_instance_clouds", lambda classes, pairs, *args: [shared] * len(pairs))
     classes = library.classes_for(2, 0.15)
     for order, winner in (([[0, 0], [1, 0]], 2), ([[1, 0], [0, 0]], 1)):
-        plan = Plan(edge=8, seed=0, classes=classes, volumes=np.array([order]), n_val=0)
+        plan = Plan(edge=8, seed=0, classes=classes, volumes=np.array([order]), n_val=0, sampler=sampler)
         mask = volumes.render_volume(plan, 0)
         assert set(np.unique(mask)) == {0, winner}
 

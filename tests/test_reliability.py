@@ -225,6 +225,18 @@ def test_a_signal_saves_the_position_and_the_resume_is_bitwise(baseline, cache, 
     assert same_params(params(run), params(baseline))
 
 
+@pytest.mark.parametrize("step, where", [(5, "in epoch 2"), (3, "at the end of epoch 1")])
+def test_a_signal_without_checkpoints_saves_nothing_and_says_so(cache, tmp_path, step, where):
+    """checkpoint_interval=-1 (upstream's: no checkpoint at all): a stop mid-epoch or at an epoch's end
+    writes none, and its one line says nothing was saved."""
+    run = tmp_path / "run"
+    res = faults(f"term=0@{step}", *args(cache, "checkpoint_interval=-1"), f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-3000:]
+    one_error_line(res, f"interrupted by SIGTERM", where, "checkpoint_interval=-1: nothing saved")
+    ckpts = run / "checkpoints"
+    assert not ckpts.exists() or not any(ckpts.iterdir())
+
+
 # ------------------------------------------------------------------------------- full, read-only disks
 def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(baseline, cache, tmp_path):
     run = tmp_path / "run"

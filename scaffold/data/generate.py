@@ -2,10 +2,11 @@
 in index order.
 
 Workers are started with 'spawn' (safe next to threads and CUDA, same on every platform) and get the
-plan once through the pool initializer. Each task renders one volume and deflates it into the exact
-bytes of an HDF5 gzip chunk (a zlib stream), so compression runs in parallel and the parent only
-writes; `executor.map` hands results back in submission order, so the file is the same for any worker
-count.
+plan once through the pool initializer. Each task renders a block of consecutive volumes (under the
+upstream sampler their instances' chains advance side by side, see volumes.py) and deflates each into
+the exact bytes of an HDF5 gzip chunk (a zlib stream), so compression runs in parallel and the parent
+only writes; `executor.map` hands results back in submission order, and a volume's bytes do not depend
+on its block, so the file is the same for any worker count.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from .volumes import Plan, render_volume
+from .volumes import Plan, render_volume, render_volumes
 
 COMPRESSION_LEVEL = 4
 """zlib level of the stored chunks (HDF5's gzip filter reads any level)."""
@@ -45,6 +46,21 @@ def volume_with_counts(plan: Plan, index: int) -> tuple[np.ndarray, np.ndarray]:
     return mask, counts
 
 
+def render_block(plan: Plan, indices: list[int]) -> list[RenderedVolume]:
+    """Several volumes, compressed, with their label counts (see render_compressed)."""
+    if plan.sampler != "upstream":
+        return [render_compressed(plan, i) for i in indices]
+    out = []
+    n_labels = len(plan.classes) + 1
+    for mask in render_volumes(plan, indices):
+        foreground = mask[mask != 0]
+        counts = np.bincount(foreground, minlength=n_labels).astype(np.int64)
+        counts[0] = mask.size - foreground.size
+        out.append(RenderedVolume(zlib.compress(mask.tobytes(), COMPRESSION_LEVEL), counts))
+        del mask, foreground  # before the next is drawn: one mask's memory, reused
+    return out
+
+
 def _init_worker(plan: Plan) -> None:
     global _plan
     _plan = plan
@@ -61,6 +77,11 @@ def _render(index: int) -> RenderedVolume:
     return render_compressed(_plan, index)
 
 
+def _render_block(indices: list[int]) -> list[RenderedVolume]:
+    assert _plan is not None, "worker started without a plan"
+    return render_block(_plan, indices)
+
+
 def resolve_workers(requested: int, n_volumes: int) -> int:
     """Worker processes to use: 0 means one per CPU core; never more than there are volumes."""
     wanted = requested if requested > 0 else (os.cpu_count() or 1)
@@ -73,6 +94,26 @@ def iter_volumes(plan: Plan, workers: int, progress: bool = True) -> Iterator[Re
     bar = tqdm(total=n, desc="fractal volumes", unit="vol", disable=None if progress else True,
                leave=False, dynamic_ncols=True)
     try:
+        if plan.sampler == "upstream":
+            # Blocks of volumes: enough per block that the chains advance side by side, enough blocks
+            # (four per worker) that the workers stay busy.
+            size = max(1, -(-n // (max(workers, 1) * 4)))
+            blocks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+            if workers <= 1:
+                results = (render_block(plan, block) for block in blocks)
+                for block in results:
+                    for result in block:
+                        yield result
+                        bar.update()
+                return
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=workers, mp_context=context,
+                                     initializer=_init_worker, initargs=(plan,)) as pool:
+                for block in pool.map(_render_block, blocks):
+                    for result in block:
+                        yield result
+                        bar.update()
+            return
         if workers <= 1:
             for index in range(n):
                 yield render_compressed(plan, index)

@@ -75,8 +75,10 @@ class DatasetInfo:
 
 
 def data_key(data_cfg: Any, scale: int, seed: int, classes: np.ndarray) -> dict:
-    """The data-defining config: everything the bytes of a dataset depend on."""
-    return {
+    """The data-defining config: everything the bytes of a dataset depend on. The sampler and class
+    scale enter only when the sampler is not `chains`, so the earlier sampler's datasets keep their
+    keys (and cached files)."""
+    key = {
         "scale": int(scale),
         "seed": int(seed),
         "n_categories": int(data_cfg.n_categories),
@@ -88,11 +90,17 @@ def data_key(data_cfg: Any, scale: int, seed: int, classes: np.ndarray) -> dict:
         "format_version": FORMAT_VERSION,
         "library_sha256": classes_digest(classes),
     }
+    sampler = str(getattr(data_cfg, "sampler", "upstream"))
+    if sampler != "chains":
+        key["sampler"] = sampler
+        key["class_scale"] = int(getattr(data_cfg, "class_scale", 7))
+    return key
 
 
 def _classes(data_cfg: Any) -> np.ndarray:
     return classes_for(int(data_cfg.n_categories), float(data_cfg.variance_threshold),
-                       str(getattr(data_cfg, "class_rule", "upstream")))
+                       str(getattr(data_cfg, "class_rule", "upstream")),
+                       str(getattr(data_cfg, "sampler", "upstream")), int(getattr(data_cfg, "class_scale", 7)))
 
 
 def _file_name(key: dict) -> str:
