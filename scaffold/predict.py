@@ -294,18 +294,12 @@ def write_figures(out: Path, truth: Any, s: Scores, palette: Any, volumes: list[
     """One PNG per volume: rows input / truth / prediction, columns the three centre slices."""
     if not volumes:
         return []
-    try:
-        import matplotlib
+    from scaffold.report import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("figures skipped: matplotlib is not installed (pip install 'scaffold-unet[plots]')")
+    plt = pyplot()
+    if plt is None:
         return []
     import numpy as np
-
-    from scaffold.files import atomic_open
-
     from matplotlib.colors import ListedColormap
 
     C = palette.shape[0]
@@ -331,14 +325,7 @@ def write_figures(out: Path, truth: Any, s: Scores, palette: Any, volumes: list[
                 if row == 0:
                     ax.set_title(f"{axis} = {c['DHW'.index(axis)]}", fontsize=9)
         fig.suptitle(f"{title}: volume {i}, Dice {float(s.dice[i]):.4f}", fontsize=9)
-        fig.tight_layout()
-        path = out / f"slices_vol{i}.png"
-        try:
-            with atomic_open(path, "wb") as f:
-                fig.savefig(f, format="png")
-        finally:
-            plt.close(fig)
-        written.append(path)
+        written.append(save_figure(plt, fig, out / f"slices_vol{i}.png"))
     return written
 
 

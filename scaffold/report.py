@@ -47,6 +47,31 @@ def _target_dice(run_dir: Path) -> float | None:
         return None
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None (with one log line) where matplotlib is
+    not installed: figures are an extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("figures skipped: matplotlib is not installed (pip install 'scaffold-unet[plots]')")
+        return None
+    return plt
+
+
+def save_figure(plt, fig, path: Path) -> Path:
+    """Write a figure as PNG under a temporary name and rename it (no half-written file), then close it."""
+    try:
+        fig.tight_layout()
+        with atomic_open(path, "wb") as f:
+            fig.savefig(f, format="png")
+    finally:
+        plt.close(fig)
+    return path
+
+
 def plot_run(run_dir: Path, target_dice: float | None = None) -> list[Path]:
     """Write the figures of a run directory; returns the files written (none without matplotlib).
 
@@ -56,15 +81,11 @@ def plot_run(run_dir: Path, target_dice: float | None = None) -> list[Path]:
     stats = run_dir / "train_stats.csv"
     if not stats.exists():
         return []
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        log.info("figures skipped: matplotlib is not installed (pip install 'scaffold-unet[plots]')")
+    plt = pyplot()
+    if plt is None:
         return []
+    from matplotlib.ticker import MaxNLocator
+
     rows = read_rows(stats)
     if not rows:
         return []
@@ -89,14 +110,7 @@ def plot_run(run_dir: Path, target_dice: float | None = None) -> list[Path]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0][1:]:  # a legend only when there is more than one line
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        out = run_dir / name
-        try:
-            with atomic_open(out, "wb") as f:
-                fig.savefig(f, format="png")
-        finally:
-            plt.close(fig)
-        written.append(out)
+        written.append(save_figure(plt, fig, run_dir / name))
     return written
 
 
