@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
 import hydra
 
-from scaffold import cli
+from scaffold import cli, rundir
 from scaffold.checkpoint import CheckpointError
 from scaffold.cli import register
 from scaffold.config import OBJECTIVES, ConfigError
@@ -56,6 +57,10 @@ def _task(cfg) -> float:
     overrides = [o for o in hc.overrides.task if not o.startswith("resume=")]
     run_dir = Path(hc.runtime.output_dir)
     try:
+        if cfg.resume is None and hc.mode != RunMode.MULTIRUN and int(os.environ.get("RANK", "0")) == 0:
+            # A directory Hydra chose (another config file, an interpolated name): owned from here on.
+            # With no lock file in it no run has claimed it, so Hydra's record and log are this run's.
+            cli.own_run_dir(run_dir, hydra_files_ours=not (run_dir / ".lock").exists())
         if cfg.resume is not None:
             run_dir = Path(cfg.resume)
             cfg = cli.resumed_config(run_dir, cfg, overrides)
@@ -113,8 +118,9 @@ def main() -> None:
     try:
         _task()
     finally:
-        if cli.CLAIMED is not None and cli.CLAIMED_RUN:
-            cli.remove_unused_run_dir(cli.CLAIMED)  # Hydra failed before the run began: no stray folder
+        # The directories this process owns, given back; a run that never began (Hydra failed, say)
+        # leaves no stray folder, and nothing this process did not create is removed.
+        rundir.release_all(remove_unused=True)
 
 
 if __name__ == "__main__":

@@ -102,18 +102,22 @@ def config_dict(cfg: Any) -> dict:
     return OmegaConf.to_container(node, resolve=True)
 
 
-def claim(run_dir: Path, resume: bool) -> rundir.RunLock:
+def claim(run_dir: Path, resume: bool) -> Optional[rundir.Claim]:
     """This process's exclusive hold on the run directory (rank 0 only): a second live process on the
-    run, or a new run in a directory that already holds one, is refused in one line."""
+    run, or a new run in a directory that already holds one, is refused in one line. Returns the claim
+    taken here (to release at the end), or None when the process already owned the directory (the
+    command line took it before Hydra started, and releases it)."""
+    mine = rundir.owned(run_dir)
     try:
-        lock = rundir.RunLock(run_dir)
+        held = mine or rundir.own(run_dir)
     except rundir.RunDirBusy as e:
         raise ConfigError(str(e)) from None
     if not resume and (run_dir / RUN_FILE).exists():
-        lock.release()
+        if mine is None:
+            held.release()
         raise ConfigError(f"run directory {run_dir} already holds a run (resume={run_dir} continues it; "
                           "a new run needs another directory)")
-    return lock
+    return None if mine else held
 
 
 def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[str]] = None) -> dict:

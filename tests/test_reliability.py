@@ -116,6 +116,74 @@ def test_a_new_run_in_a_directory_holding_one_is_refused(baseline, cache, tmp_pa
         worker.run(tiny_cfg(cache), run)
 
 
+def test_a_run_refused_by_the_lock_deletes_nothing_of_the_live_run(cache, tmp_path):
+    """A live run in start-up (its lock held, Hydra's record and log written, no run.json yet): new runs
+    pointed at its directory are refused in one line and leave every file of it as it was; the lock file
+    stays the live run's, so a third run is refused too (it used to be deleted with the record, and the
+    third run trained beside the live one)."""
+    live = tmp_path / "live"
+    (live / ".hydra").mkdir(parents=True)
+    (live / ".hydra" / "config.yaml").write_text("the live run's record\n")
+    (live / "train.log").write_text("the live run's log\n")
+    holder = rundir.RunLock(live)  # this test process stands for the live run
+
+    def snapshot():
+        return {str(p.relative_to(live)): (p.stat().st_ino, p.read_bytes() if p.is_file() else None)
+                for p in live.rglob("*")}
+
+    before = snapshot()
+    try:
+        for _ in range(3):
+            res = cli(*args(cache), f"hydra.run.dir={live}", cwd=tmp_path)
+            assert res.returncode == 2, res.stderr[-3000:]
+            one_error_line(res, f"run directory {live.absolute()} is in use by another process (pid {os.getpid()}")
+            assert snapshot() == before
+    finally:
+        holder.release()
+
+
+def test_a_run_that_never_began_removes_only_what_it_created(tmp_path):
+    """The owner of a directory that ends before its run began (no run.json) removes the lock file, Hydra's
+    record and log where it wrote them, and the folders it made; a user's file, and every folder above
+    it, stay."""
+    mine = rundir.own(tmp_path / "a" / "b" / "run", ours=rundir.HYDRA_FILES)
+    (mine.path / ".hydra").mkdir()
+    (mine.path / "train.log").write_text("log\n")
+    assert rundir.owned(tmp_path / "a" / "b" / "run") is mine
+    mine.release(remove_unused=True)
+    assert list(tmp_path.iterdir()) == []  # a/, a/b/ and the run were all made by the claim
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("the user's\n")
+    (theirs / "train.log").write_text("an older log\n")
+    claim = rundir.own(theirs)  # Hydra's files there are not ours: only the lock file is
+    claim.release(remove_unused=True)
+    assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt", "train.log"]
+    with pytest.raises(rundir.RunDirBusy):  # a lock on a file since removed would guard nothing
+        held = rundir.RunLock(theirs)
+        try:
+            rundir.RunLock(theirs)
+        finally:
+            held.release()
+
+
+def test_only_rank_zero_locks_a_resumed_run(baseline, tmp_path, monkeypatch):
+    """Under torchrun rank 0 owns the run directory; the other ranks' pre-flight neither locks nor probes
+    it, so a rank never refuses another (with every rank probing the lock, 4-rank resumes failed about
+    every other launch). Here this test process holds the lock as rank 0 would."""
+    run = copy_run(baseline, tmp_path / "run")
+    holder = rundir.RunLock(run)
+    try:
+        monkeypatch.setenv("RANK", "1")
+        scli.preflight([f"resume={run}", "epochs=4"], claim=True)  # no error
+        assert rundir.owned(run) is None
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(ConfigError, match="in use by another process"):
+            scli.preflight([f"resume={run}", "epochs=4"], claim=True)
+    finally:
+        holder.release()
+
+
 # ------------------------------------------------------------------------- 2-3. verified checkpoints
 def test_a_flipped_byte_in_last_is_caught_and_best_takes_over(baseline, tmp_path):
     run = copy_run(baseline, tmp_path / "run")
