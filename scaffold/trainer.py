@@ -390,6 +390,29 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
+    def settle_buckets(self) -> float:
+        """One throw-away forward and backward through DDP, before the first real step; returns seconds.
+
+        DDP buckets the gradients in the parameters' reverse order at construction and rebuilds the
+        buckets once, in the order the gradients became ready in its first backward, before its second
+        forward. The buckets' layout decides which rank sums which elements in the all-reduce, so with
+        three ranks or more it changes the sums' bits: every launch's first step would reduce in the
+        construction order, and a resumed run would differ from an uninterrupted one. After this pass
+        every real step of every launch, the first included, reduces in the rebuilt order (the order
+        of one graph's backward: the same on every launch). The parameters, the optimizer and the RNG
+        streams are untouched and the gradients dropped; it costs one forward and backward of start-up."""
+        if not isinstance(self.net, torch.nn.parallel.DistributedDataParallel):
+            return 0.0
+        t0 = time.perf_counter()
+        rng = determinism.rng_state()
+        self.train_step.forward_backward(self.vol.first(self.vol.train, self.cfg.batch_size))
+        for p in self.train_step.leaves:
+            p.grad = None
+        determinism.set_rng_state(rng)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     def capture(self, required: bool) -> float:
         """Captures the real step, and the evaluation of one batch, as CUDA graphs (see scaffold.step);
         returns the seconds it took."""

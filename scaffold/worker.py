@@ -406,6 +406,7 @@ def _start(job: Job) -> None:
     cfg, plan, trainer = job.cfg, job.plan, job.trainer
     log.info("model: UNet3d scale %d, %s parameters, on %s (%s, determinism=%s)", cfg.scale,
              f"{job.n_params:,}", plan.device, "bf16 autocast" if plan.amp_dtype else "fp32", cfg.determinism)
+    buckets = trainer.settle_buckets()  # DDP's gradient buckets in one order on every launch
     warm = trainer.warmup(cfg.warmup_steps)
     if cfg.warmup_steps:
         log.info("warm-up: up to %d training and %d validation batches on a copy of the model, %.1f s",
@@ -413,11 +414,12 @@ def _start(job: Job) -> None:
     captured = trainer.capture(required=plan.graph_required) if plan.cuda_graph else 0.0
     if trainer.train_step.graph is not None:
         log.info("step captured as a CUDA graph (forward, loss, backward, clip, Adam), %.1f s", captured)
-    job.startup.update(warmup_s=warm, capture_s=captured)
-    job.startup = {k: job.startup.get(k, 0.0) for k in ("dataset_s", "model_s", "warmup_s", "capture_s")}
+    job.startup.update(warmup_s=warm, capture_s=captured, buckets_s=buckets)
+    job.startup = {k: job.startup.get(k, 0.0) for k in ("dataset_s", "model_s", "warmup_s", "capture_s",
+                                                         "buckets_s")}
     job.startup_s = time.perf_counter() - job.started
-    log.info("start-up %.1f s: dataset %.1f, model %.1f, warm-up %.1f, capture %.1f", job.startup_s,
-             *job.startup.values())
+    log.info("start-up %.1f s: dataset %.1f, model %.1f, warm-up %.1f, capture %.1f, DDP buckets %.1f",
+             job.startup_s, *job.startup.values())
 
 
 def _fit(job: Job) -> Progress:
