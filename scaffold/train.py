@@ -68,7 +68,8 @@ def _task(cfg) -> float:
     except Interrupted as e:
         # Preemption or Ctrl-C: what could be saved is saved; the sweep (if any) ends here too.
         log.warning("%s", e)
-        print(f"{e} (resume={run_dir} continues it)", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # the other ranks do not know the run's directory
+            print(f"{e} (resume={run_dir} continues it)", file=sys.stderr)
         sys.exit(128 + e.signum)
     except (ConfigError, CheckpointError, StatsError, DatasetCorrupt, Diverged, OSError) as e:
         if isinstance(e, OSError) and e.errno not in cli.STORAGE_ERRORS:

@@ -69,12 +69,19 @@ class StopRequest:
         self.signum: Optional[int] = None
         self.armed = False
         self.installed = False
+        self.ranks = 1  # with several, the ranks agree on the step to stop at (distributed.StopVote)
 
     def __call__(self, signum: int, frame: Any = None) -> None:
         name = signal.Signals(signum).name
         if self.armed and self.signum is None:
             self.signum = signum
-            log.warning("%s received: stopping at the next step boundary (a second one stops at once)", name)
+            if self.ranks == 1:
+                log.warning("%s received: stopping at the next step boundary and saving the position "
+                            "(a second one stops at once)", name)
+            else:
+                log.warning("%s received: every rank stops at a step boundary they agree on (within %d steps) "
+                            "and rank 0 saves the position (a second one stops at once)", name,
+                            distributed.STOP_LAG)
             return
         raise Interrupted(signum, f"interrupted by {name} before training could save its position; "
                                   "the last checkpoint, if any, is kept")
@@ -279,24 +286,29 @@ class Trainer:
 
     def train_epoch(self, epoch: int, profiler=None, start: Optional[Position] = None) -> EpochSums:
         """One epoch of steps, or its rest after `start`. Stops early at a step boundary when a stop is
-        requested in a single process (ranks of a larger job stop together at the epoch's end instead:
-        only the epoch's one all-reduce can tell them all)."""
+        requested: the next one in a single process; with several ranks, one every rank agrees on,
+        within distributed.STOP_LAG steps of the request (distributed.StopVote)."""
         order = self.batch_order(epoch)
         bs = self.cfg.batch_size
         loss_sum = torch.zeros((), device=self.device)
         dice_sum = torch.zeros((), device=self.device)
         first, steps = 0, 0
-        if start is not None:
-            loss_sum.copy_(start.loss)
-            dice_sum.copy_(start.dice)
+        if start is not None:  # with several ranks, the sums of each rank, in rank order
+            loss_sum.copy_(start.loss[self.place.rank] if start.loss.dim() else start.loss)
+            dice_sum.copy_(start.dice[self.place.rank] if start.dice.dim() else start.dice)
             first, steps = start.samples, start.steps
         timer = StepTimer(self.device)
         bar = EpochBar(self.cfg.progress and self.place.is_main, len(order), f"epoch {epoch}")
         bar.update(first)
         self.net.train()
+        vote = distributed.StopVote(self.place, self.device) if self.place.world > 1 else None
+        self.stop.ranks = self.place.world
         for i in range(first, len(order), bs):
-            if self.stop.signum is not None and self.place.world == 1:
+            stopping = vote.agreed() if vote is not None else self.stop.signum is not None
+            if stopping:
                 bar.close()
+                if vote is not None:
+                    vote.drain()
                 return EpochSums(loss_sum, dice_sum, i, steps, timer, done=False)
             masks = self.vol.take(self.vol.train, order[i:i + bs])
             begun = timer.start()
@@ -311,6 +323,10 @@ class Trainer:
             if self.on_first_step is not None:
                 self.on_first_step()
                 self.on_first_step = None
+            if vote is not None:
+                vote.post(self.stop.signum is not None)
+        if vote is not None:
+            vote.drain()
         bar.close()
         return EpochSums(loss_sum, dice_sum, len(order), steps, timer)
 
@@ -465,6 +481,13 @@ class Trainer:
         self.rows = list(state.get("rows", []))
         pos = state.get("position")
         self.position = Position(**pos) if pos else None
+        if self.position is not None:
+            ranks = self.position.loss.shape[0] if self.position.loss.dim() else 1
+            if ranks != self.place.world:
+                raise checkpoint.CheckpointError(
+                    f"{source}: holds a position inside epoch {self.position.epoch} saved by {ranks} "
+                    f"rank(s); a mid-epoch position continues only at that world size (resume with "
+                    f"{ranks} rank(s))")
         determinism.set_rng_state(state["rng"])
 
     # ------------------------------------------------------------------------------------- fit
@@ -590,11 +613,17 @@ class Trainer:
         return torch.cat([reduced[:3], reduced[3:].view(2, -1).sum(1)]).tolist()
 
     def _save_position(self, epoch: int, tr: EpochSums, t0: float, cpu0: float, ckpt_dir: Path) -> None:
-        """Checkpoint an epoch stopped at a step boundary (one process), then end the run."""
-        pos = Position(epoch, tr.samples, tr.steps, tr.loss, tr.dice, time.perf_counter() - t0,
+        """Checkpoint an epoch stopped at a step boundary, then end the run. With several ranks (all
+        stopped before the same step) rank 0 saves every rank's partial sums, in rank order."""
+        loss, dice = tr.loss, tr.dice
+        if self.place.world > 1:
+            loss, dice = distributed.gather_rows(torch.stack([tr.loss, tr.dice]), self.place).unbind(1)
+        pos = Position(epoch, tr.samples, tr.steps, loss, dice, time.perf_counter() - t0,
                        time.process_time() - cpu0)
         self.writer.flush()
-        checkpoint.save(ckpt_dir / checkpoint.LAST, self.state(pos))
+        if self.place.is_main:
+            checkpoint.save(ckpt_dir / checkpoint.LAST, self.state(pos))
+        distributed.barrier(self.place)  # the position is on the disk before any rank reports it
         name = signal.Signals(self.stop.signum).name
         raise Interrupted(self.stop.signum, f"interrupted by {name}: epoch {epoch} stopped after {tr.steps} "
                                             f"steps, position saved in {ckpt_dir / checkpoint.LAST}")

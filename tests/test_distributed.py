@@ -237,3 +237,29 @@ def test_a_resume_at_three_ranks_or_more_is_bitwise(world, extra, cache, tmp_pat
     assert res.returncode == 0, res.stderr[-3000:]
     assert stable_rows(part / "train_stats.csv") == stable_rows(whole / "train_stats.csv")
     assert same_params(params(part), params(whole))
+
+
+def test_sigterm_to_torchrun_mid_epoch_saves_the_position_and_resumes_bitwise(cache, tmp_path):
+    """Preemption under torchrun: SIGTERM reaches the launcher (here sent by rank 0 in its 3rd step),
+    which forwards it to every rank and kills them 30 s later. The ranks agree on a step boundary within
+    a few steps, rank 0 saves every rank's position, all exit well inside the grace period; the resume
+    finishes the epoch bit for bit. (The ranks used to run to the epoch's end, past the grace period.)"""
+    long_epochs = [*TINY, "data.n_instances=30", "data.val_fraction=0.2", "epochs=2",
+                   f"data.cache_dir={cache}"]  # 16 training volumes: 8 steps an epoch per rank
+    whole = tmp_path / "whole"
+    res = torchrun(2, [*long_epochs, f"hydra.run.dir={whole}"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    res = torchrun(2, ["agent=0@3", *long_epochs, f"hydra.run.dir={run}"], tmp_path,
+                   entry=(str(REPO / "tests" / "faults.py"),))
+    assert res.returncode != 0
+    assert time.monotonic() - t0 < 60
+    saved = re.search(r"interrupted by SIGTERM: epoch 1 stopped after (\d+) steps, position saved", res.stderr)
+    assert saved and 3 <= int(saved.group(1)) < 8, res.stderr[-3000:]
+    assert "every rank stops at a step boundary they agree on (within 2 steps)" in res.stdout + res.stderr
+    assert not (run / "train_stats.csv").exists() or read_rows(run / "train_stats.csv") == []
+    res = torchrun(2, [f"resume={run}"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert stable_rows(run / "train_stats.csv") == stable_rows(whole / "train_stats.csv")
+    assert same_params(params(run), params(whole))
