@@ -423,6 +423,13 @@ def read_run_record(run_dir: Path) -> dict:
         raise ConfigError(f"{path}: unreadable run record ({type(e).__name__}: {_one_line(e)})") from None
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         raise ConfigError(f"{path}: not a run record (no 'config' section)")
+    from scaffold import rundir
+
+    recorded = record.get("config_sha256")  # absent in records written before it was kept
+    if recorded is not None and recorded != rundir.config_hash(record["config"]):
+        raise ConfigError(f"{path}: its config was edited after the run started (it no longer matches "
+                          "config_sha256); a resume continues the run as it was started: restore it, "
+                          "or start a new run with the changed config")
     return record["config"]
 
 

@@ -222,3 +222,13 @@ def _read(fd: int) -> str:
         return os.pread(fd, 200, 0).decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def config_hash(config: dict) -> str:
+    """The SHA-256 of a run's resolved config (JSON, keys sorted): recorded in run.json beside the
+    config, checked on resume (an edited run.json would otherwise be trusted), and compared across
+    ranks at start."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()

@@ -518,8 +518,10 @@ class Trainer:
             first = False
             start, self.position = self.position, None
             t0, cpu0 = time.perf_counter(), time.process_time()
-            if start is not None:  # the epoch was interrupted: count the time it had already taken
+            if start is not None:  # the epoch was interrupted: count the time it had already taken,
+                # in the epoch's timer and in the wall clock (time to target) alike
                 t0, cpu0 = t0 - start.seconds, cpu0 - start.cpu_seconds
+                wall0 -= start.seconds
             with profiler or nullcontext():
                 tr = self.train_epoch(epoch, profiler, start)
             if not tr.done:

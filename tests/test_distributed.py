@@ -263,3 +263,16 @@ def test_sigterm_to_torchrun_mid_epoch_saves_the_position_and_resumes_bitwise(ca
     assert res.returncode == 0, res.stderr[-3000:]
     assert stable_rows(run / "train_stats.csv") == stable_rows(whole / "train_stats.csv")
     assert same_params(params(run), params(whole))
+
+
+def test_a_rank_launched_with_another_config_is_refused_in_one_line(cache, tmp_path):
+    """Ranks started with different overrides (rank 1 with another learning rate) fail at start with one
+    line, every rank, instead of training apart (or, for `epochs`, waiting out a collective's timeout)."""
+    t0 = time.monotonic()
+    res = torchrun(2, ["only=1:lr=0.002", *UNEVEN, f"data.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}",
+                       "parallel.timeout_s=60"], tmp_path, entry=(str(REPO / "tests" / "faults.py"),))
+    assert res.returncode != 0
+    assert "error: the config's hash differs between ranks: rank 0 has" in res.stderr, res.stderr[-3000:]
+    assert "launch every rank with the same overrides" in res.stderr
+    assert time.monotonic() - t0 < 50
+    assert not (tmp_path / "run" / "run.json").exists()

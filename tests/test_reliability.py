@@ -274,6 +274,74 @@ def test_a_damaged_csv_with_an_old_checkpoint_is_refused(baseline, tmp_path):
     assert not (run / "train_stats.csv").exists()
 
 
+def test_a_killed_checkpoint_write_leaves_no_temporary_file_after_the_resume(baseline, tmp_path):
+    """A process SIGKILLed while writing a checkpoint leaves its unique temporary file; the next resume
+    (the directory's owner) removes it in one line, and the run continues bitwise."""
+    run = copy_run(baseline, tmp_path / "run")
+    killed = subprocess.run([sys.executable, "-c", f"""
+import os, signal
+from scaffold.files import atomic_path
+with atomic_path({str(run / "checkpoints" / "last.pt")!r}) as tmp:
+    with open(tmp, "wb") as f:
+        f.write(os.urandom(1 << 16))
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+"""], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    stale = list((run / "checkpoints").glob(".last.pt.*.tmp"))
+    assert len(stale) == 1 and stale[0].stat().st_size == 1 << 16
+    res = cli(f"resume={run}", cwd=tmp_path)  # epochs=3: already done, so nothing is trained
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "removed 1 temporary file(s) left by an interrupted write (0.1 MiB)" in res.stdout + res.stderr
+    assert not list(run.rglob("*.tmp"))
+    assert same_params(params(run), params(baseline))
+
+
+def test_an_edited_run_record_is_refused_in_one_line(baseline, tmp_path):
+    """run.json's config is what a resume continues: an edit (grad_clip 1.0 -> 0.01) is caught by the
+    config's hash recorded beside it, before any work."""
+    run = copy_run(baseline, tmp_path / "run")
+    record = json.loads((run / "run.json").read_text())
+    assert record["config"]["optim"]["grad_clip"] == 1.0 and len(record["config_sha256"]) == 64
+    record["config"]["optim"]["grad_clip"] = 0.01
+    (run / "run.json").write_text(json.dumps(record, indent=2))
+    before = (run / "checkpoints" / "last.pt").read_bytes()
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)
+    assert res.returncode == 2
+    one_error_line(res, f"{run / 'run.json'}: its config was edited after the run started")
+    assert (run / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def test_a_resume_at_another_world_size_is_said_and_recorded(baseline, tmp_path, caplog):
+    run = copy_run(baseline, tmp_path / "run")
+    with caplog.at_level("WARNING", logger="scaffold"):
+        worker.record_resume(run, 3, "last.pt", ["epochs=4"], world_size=2)
+        worker.record_resume(run, 4, "last.pt", ["epochs=5"], world_size=2)  # as the resume before it
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume: world size 1 -> 2: the run continues, not bitwise as it would have (the sampler deals the "
+        "samples to another number of ranks)"]
+    record = json.loads((run / "run.json").read_text())
+    assert record["world_size"] == 1 and [r["world_size"] for r in record["resumes"]] == [2, 2]
+
+
+def test_time_to_target_after_a_mid_epoch_resume_counts_the_interrupted_part(cache, tmp_path):
+    """The wall clock (from which time to target is read) counts the part of an epoch run before the
+    interruption, as the epoch's own timer does: here the saved position says it took 1000 s."""
+    run = tmp_path / "run"
+    res = faults("term=0@5", *args(cache), f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-3000:]
+    state = checkpoint.load_one(run / "checkpoints" / "last.pt")
+    state["position"]["seconds"] = 1000.0
+    state.pop("format", None)
+    checkpoint.save(run / "checkpoints" / "last.pt", state)
+    res = cli(f"resume={run}", "target_dice=1e-6", cwd=tmp_path)  # reached at epoch 2
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["target_epoch"] == 2
+    assert result["train_time_s"] >= 1000 and result["wall_time_s"] >= result["train_time_s"]
+    assert result["time_to_target_s"] == result["wall_time_s"]
+
+
 # ---------------------------------------------------------------------------------- 6. signals
 @pytest.mark.parametrize("kind, signum", [("term", signal.SIGTERM), ("int", signal.SIGINT)])
 def test_a_signal_saves_the_position_and_the_resume_is_bitwise(baseline, cache, tmp_path, kind, signum):
