@@ -179,7 +179,10 @@ def did_you_mean(key: str, node: Any) -> str:
 
 def _apply(node: Any, key: str, value: Any, sweep: Any = None) -> None:
     try:
+        was = OmegaConf.select(node, key, default=None)
         OmegaConf.update(node, key, value, merge=True)
+        if isinstance(was, bool) and not isinstance(value, bool):  # OmegaConf takes 2 or "yes" as True
+            raise ConfigError(_in_sweep(f"{key}={value!r}: expected true or false", sweep))
     except OmegaConfBaseException as e:
         msg = _one_line(e)
         if "not in struct" in msg or "Missing key" in msg or "Key '" in msg and "not" in msg:

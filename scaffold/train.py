@@ -43,6 +43,17 @@ def objective_value(result: dict, objective: str) -> float:
     return worst(objective) if value is None else float(value)
 
 
+def _recorded(fn, *args, **kwargs):
+    """fn(...); under torchrun a rank's error also goes to the file torchrun's agent reads, so the job's
+    summary names the rank that failed first with its error (Hydra turns an error into exit code 1,
+    which the summary could only show as such)."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return fn(*args, **kwargs)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)(*args, **kwargs)
+
+
 @hydra.main(config_path=cli.conf_dir(), config_name="config", version_base=None)
 def _task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
@@ -64,7 +75,7 @@ def _task(cfg) -> float:
         if cfg.resume is not None:
             run_dir = Path(cfg.resume)
             cfg = cli.resumed_config(run_dir, cfg, overrides)
-        result = worker.run(cfg, run_dir, resume=cfg.resume is not None, overrides=overrides)
+        result = _recorded(worker.run, cfg, run_dir, resume=cfg.resume is not None, overrides=overrides)
     except Interrupted as e:
         # Preemption or Ctrl-C: what could be saved is saved; the sweep (if any) ends here too.
         log.warning("%s", e)

@@ -54,12 +54,14 @@ class Interrupted(RuntimeError):
         self.signum = signum
 
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
+                     if hasattr(signal, name))
 
 
 class StopRequest:
     """SIGTERM (a scheduler's preemption), SIGUSR1 (a scheduler's warning before it, e.g. Slurm's
-    `--signal=USR1@120`) and SIGINT (Ctrl-C), turned into a stop at a clean point.
+    `--signal=USR1@120`), SIGINT (Ctrl-C) and SIGHUP (a closed terminal or ssh session), turned into a
+    stop at a clean point.
 
     While the training loop runs (`armed`), a signal only sets `signum`: the loop stops at the next
     step boundary and checkpoints its position, never in the middle of a step. Outside the loop (dataset,

@@ -10,6 +10,9 @@ does (torchrun forwards it to every rank and kills them 30 s later). `enospc=N` 
 checkpoint write fail with ENOSPC after writing some bytes, as a full disk does; `only=R:KEY=VALUE`
 gives rank R an override the others do not get; `early=term` sends SIGTERM as the dataset loads.
 Without torchrun the one process is rank 0. The other arguments go to scaffold.train as they are.
+checkpoint write fail with ENOSPC after writing some bytes, as a full disk does; `only=R:KEY=VALUE`
+gives rank R an override the others do not get; `early=term` sends SIGTERM as the dataset loads.
+Without torchrun the one process is rank 0. The other arguments go to scaffold.train as they are.
 
 Also a library of the tests' other injections: `sitecustomize` source that makes a folder look like a
 read-only filesystem to the process, and byte flips.
@@ -23,7 +26,7 @@ from pathlib import Path
 from scaffold.trainer import Trainer
 from scaffold.train import main
 
-SIGNALS = {"term": signal.SIGTERM, "int": signal.SIGINT, "usr1": signal.SIGUSR1}
+SIGNALS = {"term": signal.SIGTERM, "int": signal.SIGINT, "usr1": signal.SIGUSR1, "hup": signal.SIGHUP}
 
 
 def _inject(kind: str, rank: int, at: int) -> None:

@@ -343,7 +343,8 @@ def test_time_to_target_after_a_mid_epoch_resume_counts_the_interrupted_part(cac
 
 
 # ---------------------------------------------------------------------------------- 6. signals
-@pytest.mark.parametrize("kind, signum", [("term", signal.SIGTERM), ("int", signal.SIGINT)])
+@pytest.mark.parametrize("kind, signum", [("term", signal.SIGTERM), ("int", signal.SIGINT),
+                                          ("hup", signal.SIGHUP)])
 def test_a_signal_saves_the_position_and_the_resume_is_bitwise(baseline, cache, tmp_path, kind, signum):
     run = tmp_path / "run"
     # Step 5 is the second step of epoch 2 (3 steps per epoch): the epoch stops after it.
