@@ -139,6 +139,12 @@ def test_resume_errors_are_one_line(cache, tmp_path):
     res = cli(f"resume={foreign}", cwd=tmp_path)
     assert res.returncode == 2 and "not a scaffold run directory" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+    a_file = tmp_path / "result.json"
+    a_file.write_text("{}")
+    res = cli(f"resume={a_file}", cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [f"error: resume={a_file}: a file, not a run directory "
+                                               "(resume= takes the run's directory)"]
 
 
 
