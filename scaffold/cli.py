@@ -278,6 +278,11 @@ def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
         argv = argv + ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
                        "hydra/hydra_logging=disabled"]
     main = int(os.environ.get("RANK", "0")) == 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and any(a in ("-m", "--multirun") for a in argv):
+        # Every rank would run Hydra's sweep on its own, each job tearing the process group down and
+        # building it again (the second job failed at three ranks, leaving stray directories).
+        raise ConfigError("a sweep (-m) cannot run under torchrun: launch one torchrun job per "
+                          "configuration, or sweep with hydra/launcher=slurm")
     if resume is None and main:
         for o in parsed:  # a new run in a directory that already holds one would overwrite its record
             if o.key_or_group == "hydra.run.dir" and not o.is_sweep_override():

@@ -277,3 +277,14 @@ def test_a_rank_launched_with_another_config_is_refused_in_one_line(cache, tmp_p
     assert "launch every rank with the same overrides" in res.stderr
     assert time.monotonic() - t0 < 50
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_a_sweep_under_torchrun_is_one_line_and_leaves_nothing(cache, tmp_path):
+    """Each rank would run the sweep's jobs on its own (the second job failed at three ranks, leaving
+    stray directories): refused by every rank before any work."""
+    res = torchrun(3, ["-m", *UNEVEN, "epochs=1", "seed=0,1", f"data.cache_dir={cache}"], tmp_path, timeout=90)
+    assert res.returncode != 0
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error: ")]
+    assert lines == ["error: a sweep (-m) cannot run under torchrun: launch one torchrun job per configuration, "
+                     "or sweep with hydra/launcher=slurm"] * 3, res.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
