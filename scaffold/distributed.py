@@ -71,6 +71,10 @@ class StopVote:
     def __init__(self, place: Place, device: torch.device, lag: int = STOP_LAG):
         self.place, self.device, self.lag = place, device, max(1, lag)
         self.pending: list[tuple[torch.Tensor, Any, Any]] = []
+        # On CUDA: pinned host slots for the sums, reused in turn (at most `lag` votes are in flight).
+        self.slots = [torch.empty(1, pin_memory=True) for _ in range(self.lag + 1)] \
+            if device.type == "cuda" else []
+        self.posted = 0
 
     def post(self, requested: bool) -> None:
         vote = torch.full((1,), 1.0 if requested else 0.0, device=self.device)
@@ -79,7 +83,8 @@ class StopVote:
             self.pending.append((vote, work, None))
             return
         work.wait()  # on CUDA: the current stream waits for the collective, the host does not
-        host = torch.empty(1, pin_memory=True)
+        host = self.slots[self.posted % len(self.slots)]
+        self.posted += 1
         host.copy_(vote, non_blocking=True)
         done = torch.cuda.Event()
         done.record()

@@ -80,7 +80,9 @@ def _task(cfg) -> float:
         # Preemption or Ctrl-C: what could be saved is saved; the sweep (if any) ends here too.
         log.warning("%s", e)
         if int(os.environ.get("RANK", "0")) == 0:  # the other ranks do not know the run's directory
-            print(f"{e} (resume={run_dir} continues it)", file=sys.stderr)
+            # Before run.json exists there is no run to resume: the directory goes (see main).
+            hint = f" (resume={run_dir} continues it)" if (run_dir / "run.json").exists() else ""
+            print(f"{e}{hint}", file=sys.stderr)
         sys.exit(128 + e.signum)
     except (ConfigError, CheckpointError, StatsError, DatasetCorrupt, Diverged, OSError) as e:
         if isinstance(e, OSError) and e.errno not in cli.STORAGE_ERRORS:

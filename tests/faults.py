@@ -10,9 +10,6 @@ does (torchrun forwards it to every rank and kills them 30 s later). `enospc=N` 
 checkpoint write fail with ENOSPC after writing some bytes, as a full disk does; `only=R:KEY=VALUE`
 gives rank R an override the others do not get; `early=term` sends SIGTERM as the dataset loads.
 Without torchrun the one process is rank 0. The other arguments go to scaffold.train as they are.
-checkpoint write fail with ENOSPC after writing some bytes, as a full disk does; `only=R:KEY=VALUE`
-gives rank R an override the others do not get; `early=term` sends SIGTERM as the dataset loads.
-Without torchrun the one process is rank 0. The other arguments go to scaffold.train as they are.
 
 Also a library of the tests' other injections: `sitecustomize` source that makes a folder look like a
 read-only filesystem to the process, and byte flips.
@@ -132,6 +129,16 @@ if __name__ == "__main__":
             _inject(key, int(rank), int(at))
         elif key == "enospc":
             _full_disk(int(value))
+        elif key == "early":  # early=term: SIGTERM while the dataset loads (before run.json exists)
+            import scaffold.data.store as store
+
+            real_load, early = store.load, SIGNALS[value]
+
+            def load(*a, **k):
+                os.kill(os.getpid(), early)
+                return real_load(*a, **k)
+
+            store.load = load
         elif key == "only":  # only=R:KEY=VALUE: an override given to rank R alone
             rank, _, override = value.partition(":")
             if int(os.environ.get("RANK", "0")) == int(rank):

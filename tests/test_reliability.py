@@ -274,6 +274,16 @@ def test_a_damaged_csv_with_an_old_checkpoint_is_refused(baseline, tmp_path):
     assert not (run / "train_stats.csv").exists()
 
 
+def test_a_signal_before_the_run_began_leaves_no_directory_and_suggests_no_resume(cache, tmp_path):
+    """SIGTERM while the dataset loads (no run.json yet): one line, exit 143, no `resume=` hint (there is
+    no run to resume) and no run directory left."""
+    res = faults("early=term", *args(cache), cwd=tmp_path)
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-3000:]
+    line = one_error_line(res, "interrupted by SIGTERM before training could save its position")
+    assert "resume=" not in line
+    assert not list(tmp_path.glob("outputs/*/*"))
+
+
 def test_a_killed_checkpoint_write_leaves_no_temporary_file_after_the_resume(baseline, tmp_path):
     """A process SIGKILLed while writing a checkpoint leaves its unique temporary file; the next resume
     (the directory's owner) removes it in one line, and the run continues bitwise."""
@@ -473,7 +483,7 @@ def _fingerprint(h5):
     import numpy as np
 
     with h5py.File(h5, "r") as f:
-        return ([bytes(x) for x in f["train/masks"].attrs["sha256"]], [bytes(x) for x in f["val/masks"].attrs["sha256"]],
+        return ([bytes(x) for x in f["train/sha256"][...]], [bytes(x) for x in f["val/sha256"][...]],
                 np.asarray(f["palette"][...]).tobytes(), f.attrs["format_version"])
 
 
@@ -514,7 +524,7 @@ def test_a_damaged_dataset_is_reported_in_one_line_and_regenerated(baseline, cac
         with h5py.File(h5, "r+") as f:
             f.attrs["format_version"] = 1
             for split in ("train", "val"):
-                del f[f"{split}/masks"].attrs["sha256"]
+                del f[f"{split}/sha256"]
     res = cli(*args(folder), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout + res.stderr
