@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import re
 import shutil
 import threading
 import time
@@ -118,6 +119,27 @@ def load_one(path: Path) -> dict[str, Any]:
     if not verified:
         log.warning("%s: written before checkpoints carried a checksum; loaded unverified", path)
     return state
+
+
+def remove_stale_temporaries(run_dir: Path) -> Optional[str]:
+    """Remove the temporary files a killed process left beside the run's files (scaffold.files names
+    them `.NAME.PID-HEX.tmp`; a SIGKILL during a checkpoint write leaves one up to a checkpoint's size).
+    Only the run directory's owner calls this, holding its lock, so no live writer owns one. Returns a
+    one-line note of what was removed, or None."""
+    pattern = re.compile(r"^\..+\.\d+-[0-9a-f]{8}\.tmp$")
+    removed, size = 0, 0
+    for folder in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        if not folder.is_dir():
+            continue
+        for f in folder.iterdir():
+            if pattern.match(f.name) and f.is_file() and not f.is_symlink():
+                size += f.stat().st_size
+                f.unlink(missing_ok=True)
+                removed += 1
+    if not removed:
+        return None
+    return (f"removed {removed} temporary file(s) left by an interrupted write ({size / 2**20:.1f} MiB) "
+            f"in {run_dir}")
 
 
 def load_latest(folder: Path) -> tuple[dict[str, Any], Path]:

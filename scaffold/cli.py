@@ -179,7 +179,10 @@ def did_you_mean(key: str, node: Any) -> str:
 
 def _apply(node: Any, key: str, value: Any, sweep: Any = None) -> None:
     try:
+        was = OmegaConf.select(node, key, default=None)
         OmegaConf.update(node, key, value, merge=True)
+        if isinstance(was, bool) and not isinstance(value, bool):  # OmegaConf takes 2 or "yes" as True
+            raise ConfigError(_in_sweep(f"{key}={value!r}: expected true or false", sweep))
     except OmegaConfBaseException as e:
         msg = _one_line(e)
         if "not in struct" in msg or "Missing key" in msg or "Key '" in msg and "not" in msg:
@@ -274,17 +277,26 @@ def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
         # ranks must not create directories or logs of their own.
         argv = argv + ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
                        "hydra/hydra_logging=disabled"]
-    if resume is None and int(os.environ.get("RANK", "0")) == 0:
+    main = int(os.environ.get("RANK", "0")) == 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and any(a in ("-m", "--multirun") for a in argv):
+        # Every rank would run Hydra's sweep on its own, each job tearing the process group down and
+        # building it again (the second job failed at three ranks, leaving stray directories).
+        raise ConfigError("a sweep (-m) cannot run under torchrun: launch one torchrun job per "
+                          "configuration, or sweep with hydra/launcher=slurm")
+    if resume is None and main:
         for o in parsed:  # a new run in a directory that already holds one would overwrite its record
             if o.key_or_group == "hydra.run.dir" and not o.is_sweep_override():
                 existing = Path(str(o.value()))
                 if (existing / "run.json").exists():
                     raise ConfigError(f"hydra.run.dir={existing} already holds a run (resume={existing} "
                                       "continues it; a new run needs another directory)")
+                if claim and "${" not in str(o.value()) and not any(a in ("-m", "--multirun") for a in argv):
+                    own_run_dir(existing)  # before Hydra writes its record into it
         argv = claim_run_dir(argv, parsed) if claim else argv
     if resume is not None and check_resume:
         run_dir = Path(str(resume))
-        check_resume_dir(run_dir, resume)
+        # Rank 0 owns the run (the lock); the other ranks of a torchrun job neither lock nor probe it.
+        check_resume_dir(run_dir, resume, lock=main, own=claim)
         if not any(a.startswith("hydra.run.dir=") for a in argv):
             # Continue in the run's own directory; do not let Hydra overwrite its .hydra/ record.
             argv = argv + [f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
@@ -349,32 +361,51 @@ def claim_run_dir(argv: list[str], parsed: list) -> list[str]:
     if not rundir.is_fixed(pattern):
         return argv
     try:
-        CLAIMED, CLAIMED_RUN = rundir.claim_new(pattern).absolute(), key == "hydra.run.dir"
+        if key == "hydra.run.dir":  # owned (locked) from here on, so that Hydra writes into ours only
+            CLAIMED, CLAIMED_RUN = rundir.own_new(pattern).path, True
+        else:
+            CLAIMED, CLAIMED_RUN = rundir.claim_new(pattern).absolute(), False
     except OSError as e:
         raise ConfigError(f"{key}={pattern}: cannot create the run directory ({e.strerror or e})") from None
     return argv + [f"{key}={CLAIMED}"]
 
 
-def remove_unused_run_dir(run_dir: Path) -> None:
-    """Remove what Hydra and the pre-flight created for a run that stopped before it began (no run.json):
-    its `.hydra/` record, the log and the lock; the directory itself when nothing else is in it."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir() or (run_dir / "run.json").exists():
-        return
-    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
-    for name in ("train.log", ".lock"):
-        (run_dir / name).unlink(missing_ok=True)
-    try:
-        run_dir.rmdir()
-    except OSError:
-        pass  # the user's own files are in it: leave it
-
-
-def check_resume_dir(run_dir: Path, resume: Any) -> None:
-    """A run directory a resume can use: a scaffold run with a readable run.json, writable, and not in
-    use by a live process."""
+def own_run_dir(run_dir: Path, hydra_files_ours: bool = False) -> None:
+    """Make this process the owner of a new run's directory (its lock; see rundir.own); a one-line
+    ConfigError when another live process holds it. `hydra_files_ours`: Hydra's record and log in it
+    were written by this process (a directory no run had locked yet)."""
     from scaffold import rundir
 
+    try:
+        if hydra_files_ours:  # and the directory Hydra made for them, when nothing else is in it
+            rundir.own(run_dir, made=[run_dir], ours=rundir.HYDRA_FILES)
+        else:
+            rundir.own(run_dir)
+    except rundir.RunDirBusy as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir}: cannot create it ({e.strerror or e})") from None
+
+
+def remove_unused_run_dir(run_dir: Path) -> None:
+    """Give up a run directory this process owns, removing what the process created in it when the run
+    stopped before it began (no run.json): the lock, Hydra's record and log where they are ours, the
+    directory and the parents it created when nothing else is in them. A directory this process does not
+    own (another's, busy) is left exactly as it is."""
+    from scaffold import rundir
+
+    claim = rundir.owned(run_dir)
+    if claim is not None:
+        claim.release(remove_unused=True)
+
+
+def check_resume_dir(run_dir: Path, resume: Any, lock: bool = True, own: bool = False) -> None:
+    """A run directory a resume can use: a scaffold run with a readable run.json, writable, and not in
+    use by a live process (with `lock`; `own` keeps the lock for this process, see rundir.own)."""
+    from scaffold import rundir
+
+    if run_dir.is_file():
+        raise ConfigError(f"resume={resume}: a file, not a run directory (resume= takes the run's directory)")
     if not run_dir.is_dir():
         raise ConfigError(f"resume={resume}: no such run directory")
     if not (run_dir / "run.json").is_file():
@@ -383,8 +414,10 @@ def check_resume_dir(run_dir: Path, resume: Any) -> None:
     why = _probe_writable(run_dir)
     if why:
         raise ConfigError(f"resume={resume}: the run directory is not writable ({why})")
+    if not lock:
+        return
     try:
-        rundir.check_free(run_dir)
+        rundir.own(run_dir) if own else rundir.check_free(run_dir)
     except rundir.RunDirBusy as e:
         raise ConfigError(str(e)) from None
 
@@ -398,6 +431,13 @@ def read_run_record(run_dir: Path) -> dict:
         raise ConfigError(f"{path}: unreadable run record ({type(e).__name__}: {_one_line(e)})") from None
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         raise ConfigError(f"{path}: not a run record (no 'config' section)")
+    from scaffold import rundir
+
+    recorded = record.get("config_sha256")  # absent in records written before it was kept
+    if recorded is not None and recorded != rundir.config_hash(record["config"]):
+        raise ConfigError(f"{path}: its config was edited after the run started (it no longer matches "
+                          "config_sha256); a resume continues the run as it was started: restore it, "
+                          "or start a new run with the changed config")
     return record["config"]
 
 

@@ -245,6 +245,8 @@ def validate_data(data: Any, scale: int) -> None:
     _need(8**scale <= ram, "scale", f"a volume that fits in this host's {ram / 2**30:.0f} GiB of memory "
           f"(one volume of masks is {8**scale / 2**30:.0f} GiB)", scale)
     _need(data.n_categories > 0, "data.n_categories", "a positive integer", data.n_categories)
+    _need(data.n_categories <= 255, "data.n_categories", "at most 255 (masks are uint8: 255 classes and the "
+          "background)", data.n_categories)
     _need(data.fractals_per_volume > 0, "data.fractals_per_volume", "a positive integer",
           data.fractals_per_volume)
     _need(data.n_instances >= data.fractals_per_volume, "data.n_instances",

@@ -54,6 +54,75 @@ def all_reduce_sum(t: torch.Tensor, place: Place) -> torch.Tensor:
     return t
 
 
+STOP_LAG = 2  # steps between a rank's vote to stop and the boundary where every rank reads it
+
+
+class StopVote:
+    """A stop request (SIGTERM from torchrun or a scheduler), made into a step boundary every rank agrees
+    on, without a host sync in the step.
+
+    After each step every rank posts its vote (1 when it was asked to stop) as a one-element device
+    tensor and starts an asynchronous all-reduce of it; the sum is read `lag` steps later, before that
+    step runs. Every rank posts and reads the same votes at the same steps, so all stop before the same
+    step. On CUDA the vote's sum is copied to pinned host memory behind the all-reduce, and the read
+    waits on that copy's event, posted `lag` steps earlier: the host waits only where it has run
+    more than `lag` steps ahead of the device."""
+
+    def __init__(self, place: Place, device: torch.device, lag: int = STOP_LAG):
+        self.place, self.device, self.lag = place, device, max(1, lag)
+        self.pending: list[tuple[torch.Tensor, Any, Any]] = []
+        # On CUDA: pinned host slots for the sums, reused in turn (at most `lag` votes are in flight).
+        self.slots = [torch.empty(1, pin_memory=True) for _ in range(self.lag + 1)] \
+            if device.type == "cuda" else []
+        self.posted = 0
+
+    def post(self, requested: bool) -> None:
+        vote = torch.full((1,), 1.0 if requested else 0.0, device=self.device)
+        work = dist.all_reduce(vote, op=dist.ReduceOp.SUM, async_op=True)
+        if self.device.type != "cuda":
+            self.pending.append((vote, work, None))
+            return
+        work.wait()  # on CUDA: the current stream waits for the collective, the host does not
+        host = self.slots[self.posted % len(self.slots)]
+        self.posted += 1
+        host.copy_(vote, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.pending.append((host, None, done))
+
+    def agreed(self) -> bool:
+        """Whether every rank stops before the next step (the votes posted `lag` steps ago, and
+        earlier, are read)."""
+        stop = False
+        while len(self.pending) >= self.lag:
+            stop = self._read(self.pending.pop(0)) or stop
+        return stop
+
+    def drain(self) -> None:
+        """Wait for the votes still in flight (at the epoch's end, where the epoch's own all-reduce
+        carries every rank's stop flag)."""
+        while self.pending:
+            self._read(self.pending.pop(0))
+
+    @staticmethod
+    def _read(item: tuple[torch.Tensor, Any, Any]) -> bool:
+        value, work, done = item
+        if work is not None:
+            work.wait()
+        if done is not None:
+            done.synchronize()
+        return bool(value.item() > 0)
+
+
+def gather_rows(t: torch.Tensor, place: Place) -> torch.Tensor:
+    """Every rank's `t` stacked along a new first dimension (rank order), on every rank."""
+    if place.world <= 1:
+        return t.unsqueeze(0)
+    out = [torch.empty_like(t) for _ in range(place.world)]
+    dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
+
+
 def fingerprint(tensors) -> str:
     """A short hash of tensors' values in logical order, whatever their memory layout (read to the
     host: start-up checks only, never in a step). Each tensor is flattened before its bytes are read:

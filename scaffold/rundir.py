@@ -7,6 +7,11 @@ Two guarantees, both needed because Hydra names a run directory by the second it
   that trains in it. The kernel drops the lock when the process dies, however it dies (SIGKILL
   included), so a lock is never stale; a second live process on the same run (a concurrent resume, or a
   new run pointed at a directory in use) is refused in one line.
+- `own` makes this process the directory's owner: it takes the lock and remembers what the process
+  created there (the directory and its parents, the lock file, Hydra's record and log), so that a run
+  that ends before it began removes those and nothing else. One process owns a directory (rank 0 under
+  torchrun; the other ranks never lock it), takes the lock once and releases it once: a run refused by
+  the lock deletes nothing, since it owns nothing.
 flock is local to one machine on most network filesystems' default settings; two hosts resuming one run
 on a shared filesystem at once are not detected there.
 """
@@ -15,9 +20,10 @@ from __future__ import annotations
 import datetime as _dt
 import errno
 import os
+import shutil
 import socket
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 # What a run directory holds, by name (README's table says what each is).
 LOCK_FILE = ".lock"
@@ -26,6 +32,8 @@ RESULT_FILE = "result.json"
 CENSUS_FILE = "census.json"
 STATS_FILE = "train_stats.csv"
 CHECKPOINT_DIR = "checkpoints"
+# What Hydra writes into a run directory before the task runs: its record of the config and the log.
+HYDRA_FILES = (".hydra", "train.log")
 
 
 class RunDirBusy(RuntimeError):
@@ -49,6 +57,14 @@ def claim_new(pattern: str, now: Optional[_dt.datetime] = None) -> Path:
     raise RuntimeError(f"{base}: no free run directory name")  # 10,000 runs started in one second
 
 
+def own_new(pattern: str, now: Optional[_dt.datetime] = None) -> "Claim":
+    """`claim_new`, owned by this process: its lock taken, the folders it created remembered."""
+    now = now or _dt.datetime.now()
+    parents = _makedirs(Path(_resolve_now(pattern, now)).absolute().parent)
+    path = claim_new(pattern, now).absolute()
+    return own(path, made=parents + [path])
+
+
 def _resolve_now(pattern: str, now: _dt.datetime) -> str:
     out, rest = [], pattern
     while "${now:" in rest:
@@ -70,16 +86,28 @@ class RunLock:
         import fcntl
 
         self.path = Path(run_dir) / LOCK_FILE
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _read(self.fd)
+        for _ in range(100):
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read(self.fd)
+                os.close(self.fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise RunDirBusy(f"run directory {run_dir} is in use by another process "
+                                     f"({holder or 'unknown'}): wait for it to end, or use another directory"
+                                     ) from None
+                raise
+            # The file locked must still be the one at the path: an owner that ended before its run
+            # began removes its lock file (holding the lock), and a lock on a removed file guards nothing.
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             os.close(self.fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise RunDirBusy(f"run directory {run_dir} is in use by another process ({holder or 'unknown'}): "
-                                 "wait for it to end, or use another directory") from None
-            raise
+        else:
+            raise RunDirBusy(f"run directory {run_dir}: its lock file keeps being replaced")
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 
@@ -95,8 +123,112 @@ def check_free(run_dir: Path) -> None:
         RunLock(run_dir).release()
 
 
+class Claim:
+    """This process's ownership of a run directory: its lock, and what this process created there."""
+
+    def __init__(self, run_dir: Path, lock: RunLock, made: list[Path], ours: set[str]):
+        self.path, self.lock, self.made, self.ours = Path(run_dir), lock, made, ours
+
+    def release(self, remove_unused: bool = False) -> None:
+        """Give the directory up; with `remove_unused`, first remove what this process created in it when
+        the run never began (no run.json): the lock file, Hydra's record and log where this process wrote
+        them, and the directories it made once empty. Nothing else is ever removed."""
+        if self.lock.fd is None:
+            return
+        _CLAIMS.pop(_key(self.path), None)
+        try:
+            if remove_unused and not (self.path / RUN_FILE).exists():
+                for name in sorted(self.ours - {LOCK_FILE}):
+                    target = self.path / name
+                    if target.is_dir() and not target.is_symlink():
+                        shutil.rmtree(target, ignore_errors=True)
+                    else:
+                        target.unlink(missing_ok=True)
+                if LOCK_FILE in self.ours:
+                    (self.path / LOCK_FILE).unlink(missing_ok=True)  # still holding it: see RunLock
+                for folder in reversed(self.made):
+                    try:
+                        folder.rmdir()
+                    except OSError:
+                        break  # something else is in it: leave it and its parents
+        finally:
+            self.lock.release()
+
+
+_CLAIMS: dict[str, Claim] = {}
+
+
+def _key(run_dir: Path) -> str:
+    return os.path.realpath(run_dir)
+
+
+def owned(run_dir: Path) -> Optional[Claim]:
+    """This process's claim on `run_dir`, if it owns it."""
+    return _CLAIMS.get(_key(run_dir))
+
+
+def _makedirs(path: Path) -> list[Path]:
+    """mkdir -p, returning the directories it created, outermost first."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    made = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+            made.append(folder)
+        except FileExistsError:
+            pass
+    return made
+
+
+def own(run_dir: Path, made: Iterable[Path] = (), ours: Iterable[str] = ()) -> Claim:
+    """Make this process the owner of `run_dir` (created when missing): take its lock, remembering what this
+    process created (`made`: directories it created before; `ours`: names it already wrote there). The
+    claim already held is returned when this process owns the directory. RunDirBusy when another process
+    holds it: then nothing is created and nothing removed."""
+    run_dir = Path(run_dir).absolute()
+    held = owned(run_dir)
+    if held is not None:
+        return held
+    made = [Path(m).absolute() for m in made] + _makedirs(run_dir)
+    had_lock = (run_dir / LOCK_FILE).exists()
+    try:
+        lock = RunLock(run_dir)
+    except BaseException:
+        for folder in reversed(made):  # created here and still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    ours = set(ours) | ({LOCK_FILE} if not had_lock else set())
+    if run_dir in made:  # a directory this process made: what Hydra writes into it is this process's too
+        ours |= set(HYDRA_FILES)
+    claim = Claim(run_dir, lock, made, ours)
+    _CLAIMS[_key(run_dir)] = claim
+    return claim
+
+
+def release_all(remove_unused: bool = False) -> None:
+    """Give up every directory this process owns (the command line's end)."""
+    for claim in list(_CLAIMS.values()):
+        claim.release(remove_unused)
+
+
 def _read(fd: int) -> str:
     try:
         return os.pread(fd, 200, 0).decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def config_hash(config: dict) -> str:
+    """The SHA-256 of a run's resolved config (JSON, keys sorted): recorded in run.json beside the
+    config, checked on resume (an edited run.json would otherwise be trusted), and compared across
+    ranks at start."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()

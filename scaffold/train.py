@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
 import hydra
 
-from scaffold import cli
+from scaffold import cli, rundir
 from scaffold.checkpoint import CheckpointError
 from scaffold.cli import register
 from scaffold.config import OBJECTIVES, ConfigError
@@ -42,6 +43,17 @@ def objective_value(result: dict, objective: str) -> float:
     return worst(objective) if value is None else float(value)
 
 
+def _recorded(fn, *args, **kwargs):
+    """fn(...); under torchrun a rank's error also goes to the file torchrun's agent reads, so the job's
+    summary names the rank that failed first with its error (Hydra turns an error into exit code 1,
+    which the summary could only show as such)."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return fn(*args, **kwargs)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)(*args, **kwargs)
+
+
 @hydra.main(config_path=cli.conf_dir(), config_name="config", version_base=None)
 def _task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
@@ -56,14 +68,21 @@ def _task(cfg) -> float:
     overrides = [o for o in hc.overrides.task if not o.startswith("resume=")]
     run_dir = Path(hc.runtime.output_dir)
     try:
+        if cfg.resume is None and hc.mode != RunMode.MULTIRUN and int(os.environ.get("RANK", "0")) == 0:
+            # A directory Hydra chose (another config file, an interpolated name): owned from here on.
+            # With no lock file in it no run has claimed it, so Hydra's record and log are this run's.
+            cli.own_run_dir(run_dir, hydra_files_ours=not (run_dir / ".lock").exists())
         if cfg.resume is not None:
             run_dir = Path(cfg.resume)
             cfg = cli.resumed_config(run_dir, cfg, overrides)
-        result = worker.run(cfg, run_dir, resume=cfg.resume is not None, overrides=overrides)
+        result = _recorded(worker.run, cfg, run_dir, resume=cfg.resume is not None, overrides=overrides)
     except Interrupted as e:
         # Preemption or Ctrl-C: what could be saved is saved; the sweep (if any) ends here too.
         log.warning("%s", e)
-        print(f"{e} (resume={run_dir} continues it)", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # the other ranks do not know the run's directory
+            # Before run.json exists there is no run to resume: the directory goes (see main).
+            hint = f" (resume={run_dir} continues it)" if (run_dir / "run.json").exists() else ""
+            print(f"{e}{hint}", file=sys.stderr)
         sys.exit(128 + e.signum)
     except (ConfigError, CheckpointError, StatsError, DatasetCorrupt, Diverged, OSError) as e:
         if isinstance(e, OSError) and e.errno not in cli.STORAGE_ERRORS:
@@ -113,8 +132,9 @@ def main() -> None:
     try:
         _task()
     finally:
-        if cli.CLAIMED is not None and cli.CLAIMED_RUN:
-            cli.remove_unused_run_dir(cli.CLAIMED)  # Hydra failed before the run began: no stray folder
+        # The directories this process owns, given back; a run that never began (Hydra failed, say)
+        # leaves no stray folder, and nothing this process did not create is removed.
+        rundir.release_all(remove_unused=True)
 
 
 if __name__ == "__main__":

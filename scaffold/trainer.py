@@ -54,12 +54,14 @@ class Interrupted(RuntimeError):
         self.signum = signum
 
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
+                     if hasattr(signal, name))
 
 
 class StopRequest:
     """SIGTERM (a scheduler's preemption), SIGUSR1 (a scheduler's warning before it, e.g. Slurm's
-    `--signal=USR1@120`) and SIGINT (Ctrl-C), turned into a stop at a clean point.
+    `--signal=USR1@120`), SIGINT (Ctrl-C) and SIGHUP (a closed terminal or ssh session), turned into a
+    stop at a clean point.
 
     While the training loop runs (`armed`), a signal only sets `signum`: the loop stops at the next
     step boundary and checkpoints its position, never in the middle of a step. Outside the loop (dataset,
@@ -69,12 +71,19 @@ class StopRequest:
         self.signum: Optional[int] = None
         self.armed = False
         self.installed = False
+        self.ranks = 1  # with several, the ranks agree on the step to stop at (distributed.StopVote)
 
     def __call__(self, signum: int, frame: Any = None) -> None:
         name = signal.Signals(signum).name
         if self.armed and self.signum is None:
             self.signum = signum
-            log.warning("%s received: stopping at the next step boundary (a second one stops at once)", name)
+            if self.ranks == 1:
+                log.warning("%s received: stopping at the next step boundary and saving the position "
+                            "(a second one stops at once)", name)
+            else:
+                log.warning("%s received: every rank stops at a step boundary they agree on (within %d steps) "
+                            "and rank 0 saves the position (a second one stops at once)", name,
+                            distributed.STOP_LAG)
             return
         raise Interrupted(signum, f"interrupted by {name} before training could save its position; "
                                   "the last checkpoint, if any, is kept")
@@ -279,24 +288,29 @@ class Trainer:
 
     def train_epoch(self, epoch: int, profiler=None, start: Optional[Position] = None) -> EpochSums:
         """One epoch of steps, or its rest after `start`. Stops early at a step boundary when a stop is
-        requested in a single process (ranks of a larger job stop together at the epoch's end instead:
-        only the epoch's one all-reduce can tell them all)."""
+        requested: the next one in a single process; with several ranks, one every rank agrees on,
+        within distributed.STOP_LAG steps of the request (distributed.StopVote)."""
         order = self.batch_order(epoch)
         bs = self.cfg.batch_size
         loss_sum = torch.zeros((), device=self.device)
         dice_sum = torch.zeros((), device=self.device)
         first, steps = 0, 0
-        if start is not None:
-            loss_sum.copy_(start.loss)
-            dice_sum.copy_(start.dice)
+        if start is not None:  # with several ranks, the sums of each rank, in rank order
+            loss_sum.copy_(start.loss[self.place.rank] if start.loss.dim() else start.loss)
+            dice_sum.copy_(start.dice[self.place.rank] if start.dice.dim() else start.dice)
             first, steps = start.samples, start.steps
         timer = StepTimer(self.device)
         bar = EpochBar(self.cfg.progress and self.place.is_main, len(order), f"epoch {epoch}")
         bar.update(first)
         self.net.train()
+        vote = distributed.StopVote(self.place, self.device) if self.place.world > 1 else None
+        self.stop.ranks = self.place.world
         for i in range(first, len(order), bs):
-            if self.stop.signum is not None and self.place.world == 1:
+            stopping = vote.agreed() if vote is not None else self.stop.signum is not None
+            if stopping:
                 bar.close()
+                if vote is not None:
+                    vote.drain()
                 return EpochSums(loss_sum, dice_sum, i, steps, timer, done=False)
             masks = self.vol.take(self.vol.train, order[i:i + bs])
             begun = timer.start()
@@ -311,6 +325,10 @@ class Trainer:
             if self.on_first_step is not None:
                 self.on_first_step()
                 self.on_first_step = None
+            if vote is not None:
+                vote.post(self.stop.signum is not None)
+        if vote is not None:
+            vote.drain()
         bar.close()
         return EpochSums(loss_sum, dice_sum, len(order), steps, timer)
 
@@ -390,6 +408,29 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
+    def settle_buckets(self) -> float:
+        """One throw-away forward and backward through DDP, before the first real step; returns seconds.
+
+        DDP buckets the gradients in the parameters' reverse order at construction and rebuilds the
+        buckets once, in the order the gradients became ready in its first backward, before its second
+        forward. The buckets' layout decides which rank sums which elements in the all-reduce, so with
+        three ranks or more it changes the sums' bits: every launch's first step would reduce in the
+        construction order, and a resumed run would differ from an uninterrupted one. After this pass
+        every real step of every launch, the first included, reduces in the rebuilt order (the order
+        of one graph's backward: the same on every launch). The parameters, the optimizer and the RNG
+        streams are untouched and the gradients dropped; it costs one forward and backward of start-up."""
+        if not isinstance(self.net, torch.nn.parallel.DistributedDataParallel):
+            return 0.0
+        t0 = time.perf_counter()
+        rng = determinism.rng_state()
+        self.train_step.forward_backward(self.vol.first(self.vol.train, self.cfg.batch_size))
+        for p in self.train_step.leaves:
+            p.grad = None
+        determinism.set_rng_state(rng)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     def capture(self, required: bool) -> float:
         """Captures the real step, and the evaluation of one batch, as CUDA graphs (see scaffold.step);
         returns the seconds it took."""
@@ -442,6 +483,13 @@ class Trainer:
         self.rows = list(state.get("rows", []))
         pos = state.get("position")
         self.position = Position(**pos) if pos else None
+        if self.position is not None:
+            ranks = self.position.loss.shape[0] if self.position.loss.dim() else 1
+            if ranks != self.place.world:
+                raise checkpoint.CheckpointError(
+                    f"{source}: holds a position inside epoch {self.position.epoch} saved by {ranks} "
+                    f"rank(s); a mid-epoch position continues only at that world size (resume with "
+                    f"{ranks} rank(s))")
         determinism.set_rng_state(state["rng"])
 
     # ------------------------------------------------------------------------------------- fit
@@ -472,8 +520,10 @@ class Trainer:
             first = False
             start, self.position = self.position, None
             t0, cpu0 = time.perf_counter(), time.process_time()
-            if start is not None:  # the epoch was interrupted: count the time it had already taken
+            if start is not None:  # the epoch was interrupted: count the time it had already taken,
+                # in the epoch's timer and in the wall clock (time to target) alike
                 t0, cpu0 = t0 - start.seconds, cpu0 - start.cpu_seconds
+                wall0 -= start.seconds
             with profiler or nullcontext():
                 tr = self.train_epoch(epoch, profiler, start)
             if not tr.done:
@@ -567,11 +617,17 @@ class Trainer:
         return torch.cat([reduced[:3], reduced[3:].view(2, -1).sum(1)]).tolist()
 
     def _save_position(self, epoch: int, tr: EpochSums, t0: float, cpu0: float, ckpt_dir: Path) -> None:
-        """Checkpoint an epoch stopped at a step boundary (one process), then end the run."""
-        pos = Position(epoch, tr.samples, tr.steps, tr.loss, tr.dice, time.perf_counter() - t0,
+        """Checkpoint an epoch stopped at a step boundary, then end the run. With several ranks (all
+        stopped before the same step) rank 0 saves every rank's partial sums, in rank order."""
+        loss, dice = tr.loss, tr.dice
+        if self.place.world > 1:
+            loss, dice = distributed.gather_rows(torch.stack([tr.loss, tr.dice]), self.place).unbind(1)
+        pos = Position(epoch, tr.samples, tr.steps, loss, dice, time.perf_counter() - t0,
                        time.process_time() - cpu0)
         self.writer.flush()
-        checkpoint.save(ckpt_dir / checkpoint.LAST, self.state(pos))
+        if self.place.is_main:
+            checkpoint.save(ckpt_dir / checkpoint.LAST, self.state(pos))
+        distributed.barrier(self.place)  # the position is on the disk before any rank reports it
         name = signal.Signals(self.stop.signum).name
         raise Interrupted(self.stop.signum, f"interrupted by {name}: epoch {epoch} stopped after {tr.steps} "
                                             f"steps, position saved in {ckpt_dir / checkpoint.LAST}")

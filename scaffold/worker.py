@@ -76,8 +76,8 @@ def _attempt(fn, *args, **kwargs):
         return None, e
 
 
-def record_resume(run_dir: Path, at_epoch: int, checkpoint_name: str, overrides: list[str]
-                  ) -> tuple[list[str], list[dict]]:
+def record_resume(run_dir: Path, at_epoch: int, checkpoint_name: str, overrides: list[str],
+                  world_size: int = 1) -> tuple[list[str], list[dict]]:
     """Append this resume to run.json's history; returns the run's original overrides and its resumes.
 
     The original overrides stay what identifies the run (a sweep's summary lists a job by them); each
@@ -85,9 +85,15 @@ def record_resume(run_dir: Path, at_epoch: int, checkpoint_name: str, overrides:
     training, so a resume that is killed before its result.json still counts in the next one's."""
     run_file = run_dir / RUN_FILE
     record = json.loads(run_file.read_text())
+    before = ([r.get("world_size") for r in record.get("resumes", []) if r.get("world_size")]
+              or [record.get("world_size", world_size)])[-1]
+    if before != world_size:
+        log.warning("resume: world size %d -> %d: the run continues, not bitwise as it would have (the "
+                    "sampler deals the samples to another number of ranks)", before, world_size)
     record["resumes"] = list(record.get("resumes", [])) + [{
         "at_epoch": at_epoch,
         "checkpoint": checkpoint_name,
+        "world_size": world_size,
         "overrides": list(overrides),
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }]
@@ -102,18 +108,22 @@ def config_dict(cfg: Any) -> dict:
     return OmegaConf.to_container(node, resolve=True)
 
 
-def claim(run_dir: Path, resume: bool) -> rundir.RunLock:
+def claim(run_dir: Path, resume: bool) -> Optional[rundir.Claim]:
     """This process's exclusive hold on the run directory (rank 0 only): a second live process on the
-    run, or a new run in a directory that already holds one, is refused in one line."""
+    run, or a new run in a directory that already holds one, is refused in one line. Returns the claim
+    taken here (to release at the end), or None when the process already owned the directory (the
+    command line took it before Hydra started, and releases it)."""
+    mine = rundir.owned(run_dir)
     try:
-        lock = rundir.RunLock(run_dir)
+        held = mine or rundir.own(run_dir)
     except rundir.RunDirBusy as e:
         raise ConfigError(str(e)) from None
     if not resume and (run_dir / RUN_FILE).exists():
-        lock.release()
+        if mine is None:
+            held.release()
         raise ConfigError(f"run directory {run_dir} already holds a run (resume={run_dir} continues it; "
                           "a new run needs another directory)")
-    return lock
+    return None if mine else held
 
 
 def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[str]] = None) -> dict:
@@ -242,6 +252,10 @@ def _join(job: Job) -> None:
     job.load_at_start = load_average()  # with the end's, tells a run slowed by other work on the machine
     determinism.configure(cfg.determinism)  # before anything touches CUDA
     job.place = distributed.init(device_kind(cfg), cfg.parallel.timeout_s)
+    try:  # every rank runs the same config (a rank launched with other overrides would train apart)
+        distributed.check_same(rundir.config_hash(config_dict(cfg)), "the config's hash", job.place)
+    except RuntimeError as e:
+        raise ConfigError(f"{e}: launch every rank with the same overrides") from None
 
 
 def _plan(job: Job) -> None:
@@ -267,6 +281,9 @@ def _claim(job: Job, held: list) -> None:
     job.mesh = spatial.make_mesh(place.rank, place.world, job.plan.spatial_shards, job.plan.device.type,
                                  cfg.parallel.timeout_s)
     if job.resume:
+        note = checkpoint.remove_stale_temporaries(job.run_dir) if place.is_main else None  # holds the lock
+        if note:
+            log.warning("%s", note)
         try:
             job.state, job.ckpt_path = checkpoint.load_latest(job.run_dir / CHECKPOINT_DIR)
             log.info("resuming from %s (epoch %d)", job.ckpt_path, job.state["epoch"])
@@ -370,8 +387,10 @@ def _records(job: Job) -> None:
         job.stats = StatsFile(job.run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0,
                               known=state.get("rows") if state else None)
         if not job.resume:
+            config = config_dict(cfg)
             write_json(job.run_dir / RUN_FILE, {
-                "config": config_dict(cfg),
+                "config": config,
+                "config_sha256": rundir.config_hash(config),  # checked on resume: an edit is refused
                 "overrides": job.overrides,
                 "scaffold": scaffold.__version__,
                 "torch": torch.__version__,
@@ -386,7 +405,7 @@ def _records(job: Job) -> None:
         else:  # recorded once the resume has passed every check, before it trains
             job.original_overrides, job.resumes = record_resume(
                 job.run_dir, int(state["epoch"]) if state else 0, Path(job.ckpt_path).name if state else None,
-                job.overrides)
+                job.overrides, place.world)
         job.tracker = make_tracker(cfg, job.run_dir, resume_epoch=state["epoch"] if state else 0)
         job.stats.tracker = job.tracker
     job.state = None
@@ -402,6 +421,7 @@ def _start(job: Job) -> None:
     cfg, plan, trainer = job.cfg, job.plan, job.trainer
     log.info("model: UNet3d scale %d, %s parameters, on %s (%s, determinism=%s)", cfg.scale,
              f"{job.n_params:,}", plan.device, "bf16 autocast" if plan.amp_dtype else "fp32", cfg.determinism)
+    buckets = trainer.settle_buckets()  # DDP's gradient buckets in one order on every launch
     warm = trainer.warmup(cfg.warmup_steps)
     if cfg.warmup_steps:
         log.info("warm-up: up to %d training and %d validation batches on a copy of the model, %.1f s",
@@ -409,11 +429,12 @@ def _start(job: Job) -> None:
     captured = trainer.capture(required=plan.graph_required) if plan.cuda_graph else 0.0
     if trainer.train_step.graph is not None:
         log.info("step captured as a CUDA graph (forward, loss, backward, clip, Adam), %.1f s", captured)
-    job.startup.update(warmup_s=warm, capture_s=captured)
-    job.startup = {k: job.startup.get(k, 0.0) for k in ("dataset_s", "model_s", "warmup_s", "capture_s")}
+    job.startup.update(warmup_s=warm, capture_s=captured, buckets_s=buckets)
+    job.startup = {k: job.startup.get(k, 0.0) for k in ("dataset_s", "model_s", "warmup_s", "capture_s",
+                                                         "buckets_s")}
     job.startup_s = time.perf_counter() - job.started
-    log.info("start-up %.1f s: dataset %.1f, model %.1f, warm-up %.1f, capture %.1f", job.startup_s,
-             *job.startup.values())
+    log.info("start-up %.1f s: dataset %.1f, model %.1f, warm-up %.1f, capture %.1f, DDP buckets %.1f",
+             job.startup_s, *job.startup.values())
 
 
 def _fit(job: Job) -> Progress:

@@ -3,10 +3,13 @@
     torchrun --standalone --nproc-per-node=3 tests/faults.py kill=1@5 KEY=VALUE ...
 
 `kill=R@N` SIGKILLs rank R when it begins its N-th optimizer step (counted from the first step of the
-first epoch); `raise=R@N` makes it raise instead; `term=R@N`, `int=R@N` and `usr1=R@N` send it
-SIGTERM, SIGINT or SIGUSR1 there (the step then runs, as it would when the signal lands during it).
-`enospc=N` makes the N-th checkpoint write fail with ENOSPC after writing some bytes, as a full disk
-does. Without torchrun the one process is rank 0. The other arguments go to scaffold.train as they are.
+first epoch); `raise=R@N` makes it raise instead; `term=R@N`, `int=R@N`, `usr1=R@N` and `hup=R@N` send
+it SIGTERM, SIGINT, SIGUSR1 or SIGHUP there (the step then runs, as it would when the signal lands during
+it); `agent=R@N` makes rank R send SIGTERM to its parent, torchrun's agent, as a scheduler's preemption
+does (torchrun forwards it to every rank and kills them 30 s later). `enospc=N` makes the N-th
+checkpoint write fail with ENOSPC after writing some bytes, as a full disk does; `only=R:KEY=VALUE`
+gives rank R an override the others do not get; `early=term` sends SIGTERM as the dataset loads.
+Without torchrun the one process is rank 0. The other arguments go to scaffold.train as they are.
 
 Also a library of the tests' other injections: `sitecustomize` source that makes a folder look like a
 read-only filesystem to the process, and byte flips.
@@ -20,7 +23,7 @@ from pathlib import Path
 from scaffold.trainer import Trainer
 from scaffold.train import main
 
-SIGNALS = {"term": signal.SIGTERM, "int": signal.SIGINT, "usr1": signal.SIGUSR1}
+SIGNALS = {"term": signal.SIGTERM, "int": signal.SIGINT, "usr1": signal.SIGUSR1, "hup": signal.SIGHUP}
 
 
 def _inject(kind: str, rank: int, at: int) -> None:
@@ -36,7 +39,9 @@ def _inject(kind: str, rank: int, at: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind in SIGNALS:
                 os.kill(os.getpid(), SIGNALS[kind])
-            else:
+            elif kind == "agent":  # the launcher (torchrun's agent) forwards it to every rank
+                os.kill(os.getppid(), signal.SIGTERM)
+            elif kind not in ("kill", "agent"):
                 raise RuntimeError(f"injected failure on rank {rank} at step {at}")
         return real(self, masks)
 
@@ -119,11 +124,25 @@ if __name__ == "__main__":
     args = []
     for arg in sys.argv[1:]:
         key, _, value = arg.partition("=")
-        if key in ("kill", "raise", *SIGNALS):
+        if key in ("kill", "raise", "agent", *SIGNALS):
             rank, at = value.split("@")
             _inject(key, int(rank), int(at))
         elif key == "enospc":
             _full_disk(int(value))
+        elif key == "early":  # early=term: SIGTERM while the dataset loads (before run.json exists)
+            import scaffold.data.store as store
+
+            real_load, early = store.load, SIGNALS[value]
+
+            def load(*a, **k):
+                os.kill(os.getpid(), early)
+                return real_load(*a, **k)
+
+            store.load = load
+        elif key == "only":  # only=R:KEY=VALUE: an override given to rank R alone
+            rank, _, override = value.partition(":")
+            if int(os.environ.get("RANK", "0")) == int(rank):
+                args.append(override)
         else:
             args.append(arg)
     sys.argv = [sys.argv[0], *args]

@@ -161,6 +161,7 @@ def test_crash_during_generation_leaves_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("changes, scale, key", [
     ({"n_categories": 0}, SCALE, "data.n_categories"),
+    ({"n_categories": 256}, SCALE, "data.n_categories"),  # label 256 would wrap to background in uint8
     ({}, 0, "scale"),
     ({"variance_threshold": 0.0}, SCALE, "data.variance_threshold"),
     ({"variance_threshold": 1.0}, SCALE, "data.variance_threshold"),
@@ -347,3 +348,38 @@ def test_concurrent_generation_of_one_dataset_both_succeed(tmp_path):
     assert [p.name for p in cache.iterdir()] == [path.name]  # no temporary file left behind
     assert store.read_info(path).n_train == 8
     assert digest(contents(path)) == SMALL_SHA256
+
+
+def test_a_split_of_thousands_of_volumes_keeps_its_checksums(tmp_path, monkeypatch):
+    """Per-volume checksums live in a dataset: as an attribute (HDF5 caps one at 64 KiB) a split of more
+    than about 1,000 volumes could not be written. Trivial 2³ volumes stand in for rendered ones."""
+    import zlib
+
+    from scaffold.data.volumes import Plan
+
+    edge, n = 2, 1500
+    zeros = zlib.compress(bytes(edge ** 3), 4)
+    monkeypatch.setattr(store, "iter_volumes", lambda plan, workers, progress: (
+        generate.RenderedVolume(zeros, np.array([edge ** 3, 0])) for _ in range(n)))
+    plan = Plan(edge=edge, seed=0, classes=np.zeros((1, 2, 12)), volumes=np.zeros((n, 1, 2), np.int64), n_val=100)
+    path = tmp_path / "big.h5"
+    store._write(path, plan, {"scale": 1, "n_categories": 1}, workers=1, progress=False)
+    assert store._problem(path, None) is None
+    assert store.load_masks(path, "train").shape == (n - 100, edge, edge, edge)
+    with h5py.File(path, "r+") as f:  # a flipped checksum is still caught
+        f["train/sha256"][7] = b"0" * 64
+    with pytest.raises(store.DatasetCorrupt, match="train mask 7 fails its checksum"):
+        store.load_masks(path, "train")
+
+
+def test_files_with_checksums_in_an_attribute_still_read(small):
+    """Files written before the checksums moved to a dataset kept them in the masks' attribute."""
+    _, path = small
+    before = contents(path)
+    with h5py.File(path, "r+") as f:
+        for split in ("train", "val"):
+            hashes = f[f"{split}/sha256"][...]
+            del f[f"{split}/sha256"]
+            f[f"{split}/masks"].attrs["sha256"] = hashes
+    assert store._problem(path, None) is None
+    assert np.array_equal(store.load_masks(path, "train"), before["train/masks"])

@@ -116,6 +116,74 @@ def test_a_new_run_in_a_directory_holding_one_is_refused(baseline, cache, tmp_pa
         worker.run(tiny_cfg(cache), run)
 
 
+def test_a_run_refused_by_the_lock_deletes_nothing_of_the_live_run(cache, tmp_path):
+    """A live run in start-up (its lock held, Hydra's record and log written, no run.json yet): new runs
+    pointed at its directory are refused in one line and leave every file of it as it was; the lock file
+    stays the live run's, so a third run is refused too (it used to be deleted with the record, and the
+    third run trained beside the live one)."""
+    live = tmp_path / "live"
+    (live / ".hydra").mkdir(parents=True)
+    (live / ".hydra" / "config.yaml").write_text("the live run's record\n")
+    (live / "train.log").write_text("the live run's log\n")
+    holder = rundir.RunLock(live)  # this test process stands for the live run
+
+    def snapshot():
+        return {str(p.relative_to(live)): (p.stat().st_ino, p.read_bytes() if p.is_file() else None)
+                for p in live.rglob("*")}
+
+    before = snapshot()
+    try:
+        for _ in range(3):
+            res = cli(*args(cache), f"hydra.run.dir={live}", cwd=tmp_path)
+            assert res.returncode == 2, res.stderr[-3000:]
+            one_error_line(res, f"run directory {live.absolute()} is in use by another process (pid {os.getpid()}")
+            assert snapshot() == before
+    finally:
+        holder.release()
+
+
+def test_a_run_that_never_began_removes_only_what_it_created(tmp_path):
+    """The owner of a directory that ends before its run began (no run.json) removes the lock file, Hydra's
+    record and log where it wrote them, and the folders it made; a user's file, and every folder above
+    it, stay."""
+    mine = rundir.own(tmp_path / "a" / "b" / "run", ours=rundir.HYDRA_FILES)
+    (mine.path / ".hydra").mkdir()
+    (mine.path / "train.log").write_text("log\n")
+    assert rundir.owned(tmp_path / "a" / "b" / "run") is mine
+    mine.release(remove_unused=True)
+    assert list(tmp_path.iterdir()) == []  # a/, a/b/ and the run were all made by the claim
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("the user's\n")
+    (theirs / "train.log").write_text("an older log\n")
+    claim = rundir.own(theirs)  # Hydra's files there are not ours: only the lock file is
+    claim.release(remove_unused=True)
+    assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt", "train.log"]
+    with pytest.raises(rundir.RunDirBusy):  # a lock on a file since removed would guard nothing
+        held = rundir.RunLock(theirs)
+        try:
+            rundir.RunLock(theirs)
+        finally:
+            held.release()
+
+
+def test_only_rank_zero_locks_a_resumed_run(baseline, tmp_path, monkeypatch):
+    """Under torchrun rank 0 owns the run directory; the other ranks' pre-flight neither locks nor probes
+    it, so a rank never refuses another (with every rank probing the lock, 4-rank resumes failed about
+    every other launch). Here this test process holds the lock as rank 0 would."""
+    run = copy_run(baseline, tmp_path / "run")
+    holder = rundir.RunLock(run)
+    try:
+        monkeypatch.setenv("RANK", "1")
+        scli.preflight([f"resume={run}", "epochs=4"], claim=True)  # no error
+        assert rundir.owned(run) is None
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(ConfigError, match="in use by another process"):
+            scli.preflight([f"resume={run}", "epochs=4"], claim=True)
+    finally:
+        holder.release()
+
+
 # ------------------------------------------------------------------------- 2-3. verified checkpoints
 def test_a_flipped_byte_in_last_is_caught_and_best_takes_over(baseline, tmp_path):
     run = copy_run(baseline, tmp_path / "run")
@@ -206,8 +274,87 @@ def test_a_damaged_csv_with_an_old_checkpoint_is_refused(baseline, tmp_path):
     assert not (run / "train_stats.csv").exists()
 
 
+def test_a_signal_before_the_run_began_leaves_no_directory_and_suggests_no_resume(cache, tmp_path):
+    """SIGTERM while the dataset loads (no run.json yet): one line, exit 143, no `resume=` hint (there is
+    no run to resume) and no run directory left."""
+    res = faults("early=term", *args(cache), cwd=tmp_path)
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-3000:]
+    line = one_error_line(res, "interrupted by SIGTERM before training could save its position")
+    assert "resume=" not in line
+    assert not list(tmp_path.glob("outputs/*/*"))
+
+
+def test_a_killed_checkpoint_write_leaves_no_temporary_file_after_the_resume(baseline, tmp_path):
+    """A process SIGKILLed while writing a checkpoint leaves its unique temporary file; the next resume
+    (the directory's owner) removes it in one line, and the run continues bitwise."""
+    run = copy_run(baseline, tmp_path / "run")
+    killed = subprocess.run([sys.executable, "-c", f"""
+import os, signal
+from scaffold.files import atomic_path
+with atomic_path({str(run / "checkpoints" / "last.pt")!r}) as tmp:
+    with open(tmp, "wb") as f:
+        f.write(os.urandom(1 << 16))
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+"""], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    stale = list((run / "checkpoints").glob(".last.pt.*.tmp"))
+    assert len(stale) == 1 and stale[0].stat().st_size == 1 << 16
+    res = cli(f"resume={run}", cwd=tmp_path)  # epochs=3: already done, so nothing is trained
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "removed 1 temporary file(s) left by an interrupted write (0.1 MiB)" in res.stdout + res.stderr
+    assert not list(run.rglob("*.tmp"))
+    assert same_params(params(run), params(baseline))
+
+
+def test_an_edited_run_record_is_refused_in_one_line(baseline, tmp_path):
+    """run.json's config is what a resume continues: an edit (grad_clip 1.0 -> 0.01) is caught by the
+    config's hash recorded beside it, before any work."""
+    run = copy_run(baseline, tmp_path / "run")
+    record = json.loads((run / "run.json").read_text())
+    assert record["config"]["optim"]["grad_clip"] == 1.0 and len(record["config_sha256"]) == 64
+    record["config"]["optim"]["grad_clip"] = 0.01
+    (run / "run.json").write_text(json.dumps(record, indent=2))
+    before = (run / "checkpoints" / "last.pt").read_bytes()
+    res = cli(f"resume={run}", "epochs=4", cwd=tmp_path)
+    assert res.returncode == 2
+    one_error_line(res, f"{run / 'run.json'}: its config was edited after the run started")
+    assert (run / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def test_a_resume_at_another_world_size_is_said_and_recorded(baseline, tmp_path, caplog):
+    run = copy_run(baseline, tmp_path / "run")
+    with caplog.at_level("WARNING", logger="scaffold"):
+        worker.record_resume(run, 3, "last.pt", ["epochs=4"], world_size=2)
+        worker.record_resume(run, 4, "last.pt", ["epochs=5"], world_size=2)  # as the resume before it
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume: world size 1 -> 2: the run continues, not bitwise as it would have (the sampler deals the "
+        "samples to another number of ranks)"]
+    record = json.loads((run / "run.json").read_text())
+    assert record["world_size"] == 1 and [r["world_size"] for r in record["resumes"]] == [2, 2]
+
+
+def test_time_to_target_after_a_mid_epoch_resume_counts_the_interrupted_part(cache, tmp_path):
+    """The wall clock (from which time to target is read) counts the part of an epoch run before the
+    interruption, as the epoch's own timer does: here the saved position says it took 1000 s."""
+    run = tmp_path / "run"
+    res = faults("term=0@5", *args(cache), f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-3000:]
+    state = checkpoint.load_one(run / "checkpoints" / "last.pt")
+    state["position"]["seconds"] = 1000.0
+    state.pop("format", None)
+    checkpoint.save(run / "checkpoints" / "last.pt", state)
+    res = cli(f"resume={run}", "target_dice=1e-6", cwd=tmp_path)  # reached at epoch 2
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["target_epoch"] == 2
+    assert result["train_time_s"] >= 1000 and result["wall_time_s"] >= result["train_time_s"]
+    assert result["time_to_target_s"] == result["wall_time_s"]
+
+
 # ---------------------------------------------------------------------------------- 6. signals
-@pytest.mark.parametrize("kind, signum", [("term", signal.SIGTERM), ("int", signal.SIGINT)])
+@pytest.mark.parametrize("kind, signum", [("term", signal.SIGTERM), ("int", signal.SIGINT),
+                                          ("hup", signal.SIGHUP)])
 def test_a_signal_saves_the_position_and_the_resume_is_bitwise(baseline, cache, tmp_path, kind, signum):
     run = tmp_path / "run"
     # Step 5 is the second step of epoch 2 (3 steps per epoch): the epoch stops after it.
@@ -336,7 +483,7 @@ def _fingerprint(h5):
     import numpy as np
 
     with h5py.File(h5, "r") as f:
-        return ([bytes(x) for x in f["train/masks"].attrs["sha256"]], [bytes(x) for x in f["val/masks"].attrs["sha256"]],
+        return ([bytes(x) for x in f["train/sha256"][...]], [bytes(x) for x in f["val/sha256"][...]],
                 np.asarray(f["palette"][...]).tobytes(), f.attrs["format_version"])
 
 
@@ -377,7 +524,7 @@ def test_a_damaged_dataset_is_reported_in_one_line_and_regenerated(baseline, cac
         with h5py.File(h5, "r+") as f:
             f.attrs["format_version"] = 1
             for split in ("train", "val"):
-                del f[f"{split}/masks"].attrs["sha256"]
+                del f[f"{split}/sha256"]
     res = cli(*args(folder), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout + res.stderr

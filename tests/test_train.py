@@ -139,6 +139,12 @@ def test_resume_errors_are_one_line(cache, tmp_path):
     res = cli(f"resume={foreign}", cwd=tmp_path)
     assert res.returncode == 2 and "not a scaffold run directory" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+    a_file = tmp_path / "result.json"
+    a_file.write_text("{}")
+    res = cli(f"resume={a_file}", cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [f"error: resume={a_file}: a file, not a run directory "
+                                               "(resume= takes the run's directory)"]
 
 
 
@@ -168,6 +174,7 @@ def test_resume_before_the_first_checkpoint_starts_over_bitwise(baseline, cache,
     ("data.n_categories=0", "data.n_categories=0: expected a positive integer"),
     ("ladder.conv=fast", "ladder.conv='fast': expected auto | routed | triton | vendor"),
     ("cuda_graph=yes", "cuda_graph='yes': expected auto | on | off"),
+    ("progress=2", "progress=2: expected true or false"),  # OmegaConf alone reads 2 as true
     ("cuda_graph=on device=cpu", "cuda_graph='on': expected one CUDA device in one process, got device cpu"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, override, expected):

@@ -15,8 +15,9 @@ Where: `cache_dir(data_cfg.cache_dir)`. An explicit `data.cache_dir` wins; the d
 cache per user, shared by every working directory: `$SCAFFOLD_CACHE` if set, else
 `$XDG_CACHE_HOME/scaffold`, else `~/.cache/scaffold`.
 
-Verified contents (format 2): each masks dataset carries `sha256`, one SHA-256 per volume of its stored
-chunk (the zlib stream as it lies in the file), and the palette and class counts a `sha256` of their
+Verified contents (format 2): each split has a `sha256` dataset beside its masks, one SHA-256 per volume
+of its stored chunk (the zlib stream as it lies in the file; files written before kept them in the
+masks' `sha256` attribute, which HDF5 caps at 64 KiB, about 1,000 volumes, and are still read), and the palette and class counts a `sha256` of their
 bytes. Loading reads each volume's chunk as stored, checks its hash and inflates it itself, so the bytes
 trained on are the bytes verified, and a flipped byte, a rewritten mask or a damaged gzip chunk is one
 line and a regenerated file (`load`), never a traceback or silent training on altered data. (HDF5's own
@@ -172,7 +173,7 @@ def _problem(path: pathlib.Path, key: dict | None) -> str | None:
                 if not isinstance(masks, h5py.Dataset) or masks.dtype != np.uint8 \
                         or masks.ndim != 4 or masks.shape[1:] != (edge,) * 3 or masks.shape[0] < 1:
                     return f"dataset {split}/masks missing or not uint8 (n, {edge}, {edge}, {edge})"
-                if len(masks.attrs.get("sha256", ())) != masks.shape[0]:
+                if len(_volume_hashes(f, split)) != masks.shape[0]:
                     return f"dataset {split}/masks has no checksum per volume"
             for name, shape, dtype in (("palette", (n_classes, 3), np.float32),
                                        ("class_counts", (n_classes,), np.int64)):
@@ -207,8 +208,10 @@ def _write(path: pathlib.Path, plan: Plan, key: dict, workers: int, progress: bo
             hashes[split][row] = _sha256(volume.chunk)
             if split == "train":
                 counts += volume.counts
-        for split, dataset in masks.items():
-            dataset.attrs["sha256"] = np.array(hashes[split], dtype="S64")
+        for split in masks:  # a dataset, not an attribute: HDF5 caps an attribute at 64 KiB (~1,000 hashes)
+            digests = f.create_dataset(f"{split}/sha256", data=np.array(hashes[split], dtype="S64"))
+            digests.attrs["description"] = (f"SHA-256 (hex) of each {split} mask's stored chunk, the zlib "
+                                            "stream as it lies in the file; checked on every read")
         palette = f.create_dataset("palette", data=make_palette(len(plan.classes), plan.seed))
         class_counts = f.create_dataset("class_counts", data=counts)
         for dataset in (palette, class_counts):
@@ -316,6 +319,14 @@ def _verified(path: pathlib.Path, f: h5py.File, name: str, dtype) -> np.ndarray:
     return data
 
 
+def _volume_hashes(f: Any, split: str) -> list[str]:
+    """A split's per-volume SHA-256s: the `{split}/sha256` dataset, or (files written before it) the
+    masks' `sha256` attribute; empty when neither is there."""
+    found = f.get(f"{split}/sha256")
+    values = found[...] if isinstance(found, h5py.Dataset) else f[f"{split}/masks"].attrs.get("sha256", ())
+    return [_text(h) for h in values]
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -347,7 +358,7 @@ def load_masks(path: os.PathLike | str, split: str, slab: Optional[tuple[int, in
                 raise ValueError(f"slab {index} of {count}: expected a divisor of the depth {edge[0]}")
             depth = edge[0] // count
             first = index * depth
-        hashes = [_text(h) for h in ds.attrs["sha256"]]
+        hashes = _volume_hashes(f, split)
         out = np.empty((n, depth, *edge[1:]), dtype=np.uint8)
         for i in range(n):
             try:
