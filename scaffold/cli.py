@@ -15,8 +15,8 @@ import json
 import logging
 import math
 import os
-import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -207,17 +207,33 @@ def resolve_auto_resume(argv: list[str]) -> list[str]:
     return rest
 
 
+@dataclass
+class Parsed:
+    """The command line's overrides, read against the schema: the config they set, the swept keys
+    with their values, and the run a `resume=` names."""
+
+    overrides: list
+    cfg: Any
+    sweeps: list
+    resume: Any
+
+
 def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
               check: Any = None) -> list[str]:
     """Check overrides against the schema and `check` (the whole-config check, scaffold.plan.validate,
     by default); returns argv, with Hydra's run dir pointed at a resumed run (or, with `claim`, at a new
-    run's directory created here: see claim_run_dir)."""
-    if check is None:
-        from scaffold.plan import validate as check
+    run's directory created here: see claim_run_dir). Three steps: parse, check, claim."""
+    argv = resolve_auto_resume(argv)
+    parsed = parse(argv)
+    check_parsed(parsed, check)
+    return claim_dirs(argv, parsed, check_resume, claim)
+
+
+def parse(argv: list[str]) -> Parsed:
+    """The overrides (and a chosen preset's sweeper params) applied to the schema, value by value:
+    an unknown key, a wrong type or a retired key is one line."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
-
-    argv = resolve_auto_resume(argv)
 
     args = [a for a in argv if ("=" in a or a.startswith("~")) and not a.startswith("-")]
     try:
@@ -255,10 +271,17 @@ def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
         _apply(cfg, key, value)
         if key == "resume":
             resume = value
-    # Semantic checks on the combination, for each swept value in turn.
-    for o, values in sweeps or [(None, [None])]:
+    return Parsed(parsed, cfg, sweeps, resume)
+
+
+def check_parsed(p: Parsed, check: Any = None) -> None:
+    """The whole-config check on the combination, for each swept value in turn (a resumed run's
+    config is its own, checked when it started)."""
+    if check is None:
+        from scaffold.plan import validate as check
+    for o, values in p.sweeps or [(None, [None])]:
         for v in values:
-            trial = OmegaConf.merge(cfg, {})
+            trial = OmegaConf.merge(p.cfg, {})
             if o is not None:
                 _apply(trial, o.key_or_group, v)
             if trial.resume is None:
@@ -266,6 +289,13 @@ def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
                     check(trial)
                 except ConfigError as e:
                     raise ConfigError(_in_sweep(str(e), o)) from None
+
+
+def claim_dirs(argv: list[str], p: Parsed, check_resume: bool = True, claim: bool = False) -> list[str]:
+    """Where the run will write: the output folders can be created; under torchrun only rank 0 decides
+    the run directory; a new run neither reuses a run's directory nor shares one (with `claim`, rank 0
+    owns it before Hydra writes into it); a resume continues in its own, checked and locked."""
+    parsed, resume = p.overrides, p.resume
     out_keys = ("hydra.run.dir", "hydra.sweep.dir")
     for o in parsed:
         if o.key_or_group in out_keys and not o.is_sweep_override():
