@@ -323,7 +323,7 @@ def _build(job: Job, stop: StopRequest) -> None:
     from scaffold.loss import SegmentationLoss, check_labels, class_weights, sampled_counts
     from scaffold.model.unet import UNet3d
 
-    cfg, place, plan, sg = job.cfg, job.place, job.plan, job.mesh.shards
+    cfg, plan, sg = job.cfg, job.plan, job.mesh.shards
     t0 = time.perf_counter()
     path, info, train_masks, val_masks = job.data
     job.data = (path, info)
@@ -340,6 +340,17 @@ def _build(job: Job, stop: StopRequest) -> None:
     check_labels(train, info.n_classes)  # once per dataset, never inside the step
     check_labels(val, info.n_classes)
     volumes = Volumes(*place_masks(plan, train, val), torch.from_numpy(info.palette).to(plan.device))
+    job.model, job.n_params = model, sum(p.numel() for p in model.parameters())
+    _trainer(job, loss_fn, volumes, stop)
+    job.startup["model_s"] = time.perf_counter() - t0
+
+
+def _trainer(job: Job, loss_fn: Any, volumes: Volumes, stop: StopRequest) -> None:
+    """DDP where the plan says, the loss over a split volume, the trainer, and the census after the
+    first step."""
+    from scaffold.model.flops import config_step_flops
+
+    cfg, place, plan, sg, model = job.cfg, job.place, job.plan, job.mesh.shards, job.model
     ddp = None
     if plan.data_parallel:
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -348,12 +359,9 @@ def _build(job: Job, stop: StopRequest) -> None:
     trainer = Trainer(cfg, model, step_loss, volumes, plan.device, job.run_dir, place, ddp, mesh=job.mesh,
                       plan=plan)
     trainer.stop = stop
-    from scaffold.model.flops import config_step_flops
-
     # This device's share of the step: a spatially sharded volume splits the FLOPs over its shards.
-    trainer.step_flops = config_step_flops(cfg, info.n_classes) / plan.spatial_shards
-    job.model, job.ddp, job.trainer = model, ddp, trainer
-    job.n_params = sum(p.numel() for p in model.parameters())
+    trainer.step_flops = config_step_flops(cfg, job.data[1].n_classes) / plan.spatial_shards
+    job.ddp, job.trainer = ddp, trainer
 
     def on_first_step():
         from scaffold.model.ladder import census, format_census
@@ -365,7 +373,26 @@ def _build(job: Job, stop: StopRequest) -> None:
             write_json(job.run_dir / CENSUS_FILE, c)
 
     trainer.on_first_step = on_first_step
-    job.startup["model_s"] = time.perf_counter() - t0
+
+
+def run_record(job: Job) -> dict:
+    """run.json of a new run: the resolved config and its hash, the overrides, versions, the device,
+    the plan."""
+    config = config_dict(job.cfg)
+    return {
+        "config": config,
+        "config_sha256": rundir.config_hash(config),  # checked on resume: an edit is refused
+        "overrides": job.overrides,
+        "scaffold": scaffold.__version__,
+        "torch": torch.__version__,
+        "device": device_name(job.plan.device),
+        "world_size": job.place.world,
+        "spatial_shards": job.plan.spatial_shards,
+        "dataset": str(job.data[0]),
+        "parameters": job.n_params,
+        "plan": job.plan.record(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _records(job: Job) -> None:
@@ -374,7 +401,6 @@ def _records(job: Job) -> None:
     the CSV and the tracker (rank 0 only), and the check that every rank starts from the same
     parameters."""
     cfg, place, state = job.cfg, job.place, job.state
-    path = job.data[0]
     if state:
         job.trainer.load_state(state, source=str(job.ckpt_path))
         if place.is_main:
@@ -387,21 +413,7 @@ def _records(job: Job) -> None:
         job.stats = StatsFile(job.run_dir / STATS_FILE, keep_through_epoch=state["epoch"] if state else 0,
                               known=state.get("rows") if state else None)
         if not job.resume:
-            config = config_dict(cfg)
-            write_json(job.run_dir / RUN_FILE, {
-                "config": config,
-                "config_sha256": rundir.config_hash(config),  # checked on resume: an edit is refused
-                "overrides": job.overrides,
-                "scaffold": scaffold.__version__,
-                "torch": torch.__version__,
-                "device": device_name(job.plan.device),
-                "world_size": place.world,
-                "spatial_shards": job.plan.spatial_shards,
-                "dataset": str(path),
-                "parameters": job.n_params,
-                "plan": job.plan.record(),
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            })
+            write_json(job.run_dir / RUN_FILE, run_record(job))
         else:  # recorded once the resume has passed every check, before it trains
             job.original_overrides, job.resumes = record_resume(
                 job.run_dir, int(state["epoch"]) if state else 0, Path(job.ckpt_path).name if state else None,
@@ -451,6 +463,22 @@ def _fit(job: Job) -> Progress:
 
 def _result(job: Job, progress: Progress) -> dict:
     """result.json, the final line, and the teardown of the process group."""
+    result = result_of(job, progress)
+    if job.place.is_main:
+        write_json(job.run_dir / RESULT_FILE, result)
+        if job.resume:  # a resumed sweep job: its sweep's summary.md would otherwise show the old results
+            report.refresh_summary(job.run_dir)
+    _final_line(job, progress, result)
+    # DDP's reducer must go before its process group: destroyed afterwards (when these references are
+    # dropped), it could wait forever on a group that no longer exists.
+    job.trainer = job.ddp = job.model = None
+    gc.collect()
+    distributed.shutdown(job.place)
+    return result
+
+
+def result_of(job: Job, progress: Progress) -> dict:
+    """The run's Result, as result.json's dict."""
     from scaffold.model.flops import bf16_peak_tflops
 
     cfg, trainer = job.cfg, job.trainer
@@ -476,10 +504,11 @@ def _result(job: Job, progress: Progress) -> dict:
         warmup_s=job.startup["warmup_s"], cuda_graph=trainer.train_step.graph is not None,
         graph_capture_s=job.startup["capture_s"], overrides=job.original_overrides, resumes=job.resumes,
         plan=job.plan.record()))
-    if job.place.is_main:
-        write_json(job.run_dir / RESULT_FILE, result)
-        if job.resume:  # a resumed sweep job: its sweep's summary.md would otherwise show the old results
-            report.refresh_summary(job.run_dir)
+    return result
+
+
+def _final_line(job: Job, progress: Progress, result: dict) -> None:
+    cfg = job.cfg
     if progress.time_to_target is not None:
         watched = ("train dice" if getattr(cfg, "target_metric", "val_dice") == "train_dice"
                    else f"val dice {progress.last_val_dice:.4f}")
@@ -494,13 +523,6 @@ def _result(job: Job, progress: Progress) -> dict:
                  "%d optimizer steps, %.1f s); results in %s", cfg.target_dice, progress.epoch,
                  progress.last_val_dice, progress.best_epoch, progress.total_steps, progress.train_time,
                  job.run_dir)
-    # DDP's reducer must go before its process group: destroyed afterwards (when these references are
-    # dropped), it could wait forever on a group that no longer exists.
-    job.trainer = job.ddp = job.model = None
-    del trainer
-    gc.collect()
-    distributed.shutdown(job.place)
-    return result
 
 
 def _flop_note(result: dict) -> str:
