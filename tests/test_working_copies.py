@@ -131,7 +131,7 @@ def test_a_run_with_working_copies_resumed_gives_the_bits_of_a_run_without_them(
     asked = []
 
     def ours(copies: bool):
-        def make(model, cfg, working=False):
+        def make(model, cfg, working=False, kind=None):
             asked.append(working)
             c = attach_working_copies(model) if (copies and working) else None
             return A.Adam(list(model.parameters()), lr=torch.tensor(float(cfg.lr)),
