@@ -236,6 +236,9 @@ def parse(argv: list[str]) -> Parsed:
     from hydra.errors import HydraException
 
     args = [a for a in argv if ("=" in a or a.startswith("~")) and not a.startswith("-")]
+    for a in args:
+        if a.startswith("="):
+            raise ConfigError(f"{a}: an override needs a key (KEY=VALUE, e.g. scale{a})")
     try:
         parsed = OverridesParser.create().parse_overrides(args)
         check_launcher(parsed)
@@ -299,6 +302,8 @@ def claim_dirs(argv: list[str], p: Parsed, check_resume: bool = True, claim: boo
     out_keys = ("hydra.run.dir", "hydra.sweep.dir")
     for o in parsed:
         if o.key_or_group in out_keys and not o.is_sweep_override():
+            if not str(o.value() or "").strip():  # Hydra would write the run into the working directory
+                raise ConfigError(f"{o.key_or_group}='': expected a folder path for the run's files")
             _check_output_dir(o.key_or_group, str(o.value()))
     if not any(o.key_or_group in out_keys for o in parsed):
         _check_output_dir("working directory", ".")  # outputs/ and multirun/ are created there

@@ -167,6 +167,7 @@ def test_resume_before_the_first_checkpoint_starts_over_bitwise(baseline, cache,
 @pytest.mark.parametrize("override, expected", [
     ("sclae=5", "sclae: unknown key (did you mean `scale`?)"),
     ("epoch=3", "epoch: unknown key (did you mean `epochs`?)"),
+    ("=7", "=7: an override needs a key (KEY=VALUE, e.g. scale=7)"),
     ("scale=abc", "scale='abc'"),
     ("scale=3", "scale=3: expected greater than model.bottleneck (3)"),
     ("batch_size=1000", "batch_size=1000: expected at most the"),
@@ -183,6 +184,15 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, override, expected):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], res.stderr
     assert not (tmp_path / "run" / "train_stats.csv").exists()
+
+
+def test_an_empty_run_dir_is_one_line_and_writes_nothing(tmp_path):
+    """`hydra.run.dir=` (empty) would have Hydra write the run into the working directory."""
+    res = cli("hydra.run.dir=", "epochs=1", cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hydra.run.dir='': expected a folder path" in lines[0], res.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unwritable_output_is_one_line(tmp_path):
