@@ -31,7 +31,7 @@ from scaffold.plan import RunPlan, device_kind, resolve, roomy_allocator, valida
 from scaffold.rundir import CENSUS_FILE, CHECKPOINT_DIR, RESULT_FILE, RUN_FILE, STATS_FILE
 from scaffold.stats import StatsFile, load_average
 from scaffold.tracking import NullTracker, make_tracker
-from scaffold.trainer import Progress, StopRequest, Trainer, Volumes
+from scaffold.trainer import STOP_SIGNALS, Progress, StopRequest, Trainer, Volumes
 
 log = logging.getLogger("scaffold")
 
@@ -135,8 +135,6 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     import signal
 
     stop, held = StopRequest(), []
-    from scaffold.trainer import STOP_SIGNALS
-
     saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     stop.install()
     try:
