@@ -177,8 +177,9 @@ class Config:
     precision: str = choice("auto", "bf16", "fp32")
     """auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32."""
     cuda_graph: str = choice("auto", "on", "off")
-    """auto (on one CUDA device in one process, capture the step's forward, loss and backward once as a
-    CUDA graph and replay it: the same bits as eager, without the host's per-kernel launch cost) | on
+    """auto (on a CUDA device, in one process or under DDP with the all-reduce captured too, volumes not
+    split over ranks: capture the whole step once as a CUDA graph and replay it: the same bits as eager,
+    without the host's per-kernel launch cost) | on
     (the same, and an error where it cannot run) | off (eager steps)."""
     data_placement: str = choice("auto", "device", "host")
     """Where the dataset's masks live during training: auto (on the device when they take at most a

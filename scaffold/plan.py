@@ -48,7 +48,7 @@ def validate(cfg: Any) -> None:
     m = cfg.model
     check_model(cfg.scale, m.bottleneck, m.base_width, m.groups)
     if str(cfg.device) == "cpu":  # known before any work: the step's own rule says whether a graph can run
-        wants_graph(cfg.cuda_graph, torch.device("cpu"), 1)
+        wants_graph(cfg.cuda_graph, torch.device("cpu"))
     for key in OPS:
         value = getattr(cfg.ladder, key)
         expect(value in settings(key), f"ladder.{key}", " | ".join(settings(key)), value)
@@ -371,9 +371,10 @@ def resolve(cfg: Any, place: Place = Place(), n_classes: Optional[int] = None) -
         why.append(("allocator", "expandable segments: a tight run, where fragmentation must not decide "
                     "whether it fits (unless PYTORCH_CUDA_ALLOC_CONF is set)"))
 
-    graph = wants_graph(cfg.cuda_graph, device, place.world, place.joined)
-    graph_why = (f"cuda_graph={cfg.cuda_graph}: " + ("one CUDA device in one process" if graph else
-                 "needs one CUDA device in one process outside a process group" if cfg.cuda_graph != "off"
+    graph = wants_graph(cfg.cuda_graph, device, shards)
+    where = "under DDP, its all-reduce captured too" if place.joined else "in one process"
+    graph_why = (f"cuda_graph={cfg.cuda_graph}: " + (f"one CUDA device {where}" if graph else
+                 "needs a CUDA device and volumes not split over ranks" if cfg.cuda_graph != "off"
                  else "eager steps asked for"))
     if graph and cfg.cuda_graph == "auto":
         graph, graph_why = graph_plan(cfg, device, n_classes, recompute)

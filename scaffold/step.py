@@ -25,9 +25,17 @@ rule of the graph lives here:
   tensors, zeroed in place first.
 - Before the capture, eager whole steps run on a side stream (kernels compiled, cuDNN plans made, the
   allocator warm, Adam's state created); parameters and optimizer state are then put back as they were.
+- Under DDP (torchrun) the gradient all-reduce is captured with the step: DDP's bucket copies, the
+  division by the world size and the NCCL all-reduce are kernels like the others, in the bucket order
+  settled before the first step (scaffold.trainer), so a replay is the eager DDP step's bits. As torch's
+  notes on graphs and DDP ask, the DDP wrapper is built on a side stream and runs DDP_EAGER_STEPS whole
+  steps eagerly before the capture; every rank captures (a failure on one is a failure on all: whether
+  a collective is captured must be the same on every rank). A replayed all-reduce is not watched by the
+  process group's timeout, but the epoch's reductions and the stop vote, which are eager, still are: a
+  dead rank still ends the job within the bound.
 Limits: no autograd graph of the model may be alive at the capture (a kept loss holds its gradient
-accumulators on another stream and the capture fails); one process (under DDP the all-reduce would have
-to be captured too); one batch shape per graph; the returned loss and Dice are the graph's own tensors,
+accumulators on another stream and the capture fails); volumes not split over ranks (a sharded step's
+halo exchanges run eagerly); one batch shape per graph; the returned loss and Dice are the graph's own tensors,
 overwritten by the next replay: read or add them before the next step.
 """
 from __future__ import annotations
@@ -120,17 +128,22 @@ def keep_lr_on_device(optimizer: torch.optim.Optimizer) -> None:
             group["lr"] = torch.tensor(float(lr), device=device)
 
 
-def wants_graph(mode: str, device: torch.device, world: int, data_parallel: bool = False) -> bool:
-    """Whether a run captures its step (`cuda_graph`): auto/on on one CUDA device in one process outside
-    a process group (DDP's all-reduce is not captured). `on` where that cannot be is a ConfigError,
-    raised before any work."""
-    possible = device.type == "cuda" and world == 1 and not data_parallel
+def wants_graph(mode: str, device: torch.device, shards: int = 1) -> bool:
+    """Whether a run captures its step (`cuda_graph`): auto/on on a CUDA device, in one process or under
+    DDP (whose gradient all-reduce is captured with the step), with volumes not split over ranks (a
+    sharded step's halo exchanges run eagerly). `on` where that cannot be is a ConfigError, raised
+    before any work."""
+    possible = device.type == "cuda" and shards == 1
     if mode == "on" and not possible:
-        where = (f"{world} processes" if world > 1 else "a data-parallel process group" if data_parallel
-                 else f"device {device}")
-        raise ConfigError(f"cuda_graph='on': expected one CUDA device in one process, got {where} "
-                          "(use cuda_graph=auto or off)")
+        where = f"{shards} spatial shards" if shards > 1 else f"device {device}"
+        raise ConfigError(f"cuda_graph='on': expected a CUDA device and volumes not split over ranks, got "
+                          f"{where} (use cuda_graph=auto or off)")
     return mode != "off" and possible
+
+
+# Whole steps DDP must have run eagerly before its backward can be captured: its reducer times the first
+# ten iterations with CUDA events, which a capture cannot hold (torch's CUDA-graph notes ask for 11).
+DDP_EAGER_STEPS = 11
 
 
 def fold_clip(optimizer: torch.optim.Optimizer, params: list, clip: float, no_inf: torch.Tensor) -> None:
@@ -209,26 +222,38 @@ class TrainStep:
                 self.optimizer.zero_grad(set_to_none=True)
         return loss.detach(), dice.detach()
 
-    def capture(self, example: torch.Tensor, required: bool = False) -> float:
+    def capture(self, example: torch.Tensor, required: bool = False,
+                agree: Optional[Callable[[Optional[BaseException]], None]] = None) -> float:
         """Captures the whole step for batches shaped like `example` (outside any epoch:
         the capture synchronizes the device); returns the seconds it took. The RNG streams are left as
         they were. A failed capture raises when `required`, else logs one warning and the step stays
-        eager."""
+        eager. `agree(error)` (under DDP: scaffold.distributed.agree) raises on every rank when any rank
+        failed, so that all ranks replay graphs or none does."""
         t0 = time.perf_counter()
         rng = determinism.rng_state()
         if isinstance(self.net, torch.nn.Module):
             self.net.train()
+        ddp = isinstance(self.net, torch.nn.parallel.DistributedDataParallel)
+        error: Optional[BaseException] = None
         try:
             keep_lr_on_device(self.optimizer)
             with _restored(self.params, self.optimizer):
-                self.graph = _StepGraph(self.whole_step, self.leaves, example)
+                self.graph = _StepGraph(self.whole_step, self.leaves, example,
+                                        warmup=DDP_EAGER_STEPS if ddp else 2)
         except Exception as e:  # noqa: BLE001 - `auto` keeps training, eagerly; `on` promised a graph
+            error = e
+        if agree is not None:
+            try:
+                agree(error)
+            except Exception as e:  # noqa: BLE001 - another rank's failure is this rank's too
+                error = error or e
+        if error is not None:
             if required:
-                raise
+                raise error
             self.graph = None
             self.optimizer.zero_grad(set_to_none=True)  # whatever a half-done capture left
             log.warning("cuda_graph=auto: the step could not be captured (%s); running it eagerly",
-                        f"{type(e).__name__}: {e}".splitlines()[0])
+                        f"{type(error).__name__}: {error}".splitlines()[0])
         determinism.set_rng_state(rng)
         torch.cuda.synchronize(example.device)
         return time.perf_counter() - t0

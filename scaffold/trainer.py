@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -435,7 +436,9 @@ class Trainer:
         """Captures the real step, and the evaluation of one batch, as CUDA graphs (see scaffold.step);
         returns the seconds it took."""
         t0 = time.perf_counter()
-        self.train_step.capture(self.vol.first(self.vol.train, self.cfg.batch_size), required)
+        # Under DDP every rank captures its all-reduce: all ranks replay graphs, or none does.
+        agree = partial(distributed.agree, place=self.place) if self.place.world > 1 else None
+        self.train_step.capture(self.vol.first(self.vol.train, self.cfg.batch_size), required, agree)
         if self.train_step.graph is not None:
             self.model.eval()
             try:

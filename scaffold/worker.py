@@ -351,8 +351,7 @@ def _trainer(job: Job, loss_fn: Any, volumes: Volumes, stop: StopRequest) -> Non
     cfg, place, plan, sg, model = job.cfg, job.place, job.plan, job.mesh.shards, job.model
     ddp = None
     if plan.data_parallel:
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[plan.device.index] if plan.device.type == "cuda" else None)
+        ddp = data_parallel(model, plan)
     step_loss = loss_fn.split(partial(spatial.all_sum, sg=sg)) if sg is not None else loss_fn
     trainer = Trainer(cfg, model, step_loss, volumes, plan.device, job.run_dir, place, ddp, mesh=job.mesh,
                       plan=plan)
@@ -371,6 +370,22 @@ def _trainer(job: Job, loss_fn: Any, volumes: Volumes, stop: StopRequest) -> Non
             write_json(job.run_dir / CENSUS_FILE, c)
 
     trainer.on_first_step = on_first_step
+
+
+def data_parallel(model: torch.nn.Module, plan: RunPlan) -> torch.nn.parallel.DistributedDataParallel:
+    """The DDP wrapper. Where the step will be captured it is built on a side stream, as torch's notes
+    on CUDA graphs ask of a DDP whose backward is captured (its reducer keeps the stream it was built
+    on); the stream we return to waits for it."""
+    device = plan.device
+    if not (plan.cuda_graph and device.type == "cuda"):
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    torch.cuda.current_stream(device).wait_stream(side)
+    return ddp
 
 
 def run_record(job: Job) -> dict:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+import pytest
 from omegaconf import OmegaConf
 
 from scaffold.config import Config
@@ -74,3 +76,21 @@ def saved_bytes(model: torch.nn.Module):
         yield result
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     result["bytes"] = sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+LAUNCH_TIMEOUT = 120  # seconds: a hang fails the test instead of stalling the suite
+
+
+def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("-m", "scaffold.train"),
+             timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
+    exe = shutil.which("torchrun")
+    if exe is None:
+        pytest.fail("torchrun is not on PATH (it comes with torch)")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    # --standalone: a rendezvous on a free local port, so concurrent launches never collide.
+    try:
+        return subprocess.run([exe, "--standalone", f"--nproc-per-node={nproc}", *entry, *args], cwd=cwd,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # a hang is a failure: show where each rank stood
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"torchrun with {nproc} ranks did not finish in {timeout} s:\n{err[-4000:]}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -17,26 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY, params, same_params, stable_rows
+from helpers import LAUNCH_TIMEOUT, REPO, TINY, params, same_params, stable_rows, torchrun
 from scaffold.stats import read_rows
 
 UNEVEN = [*TINY, "data.n_instances=21", "data.val_fraction=0.5", "epochs=2"]  # 14 volumes: 7 + 7
-LAUNCH_TIMEOUT = 120  # seconds: a hang fails the test instead of stalling the suite
-
-
-def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("-m", "scaffold.train"),
-             timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
-    exe = shutil.which("torchrun")
-    if exe is None:
-        pytest.fail("torchrun is not on PATH (it comes with torch)")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
-    # --standalone: a rendezvous on a free local port, so concurrent launches never collide.
-    try:
-        return subprocess.run([exe, "--standalone", f"--nproc-per-node={nproc}", *entry, *args], cwd=cwd,
-                              env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:  # a hang is a failure: show where each rank stood
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"torchrun with {nproc} ranks did not finish in {timeout} s:\n{err[-4000:]}")
 
 
 def _run(nproc: int, cache: Path, tmp: Path, name: str, *extra: str) -> Path:

@@ -204,3 +204,23 @@ def test_masks_in_host_memory_give_the_device_bits_without_a_sync(first_run, cac
     worker.run(tiny_cfg(cache, *SCALE7, "data_placement=host"), tmp_path)
     assert stable_rows(tmp_path / "train_stats.csv") == stable_rows(first_run / "train_stats.csv")
     assert same_params(params(tmp_path), params(first_run))
+
+
+# ---- the step as a CUDA graph under DDP (torchrun, NCCL): the all-reduce captured with it
+
+def test_a_graphed_ddp_step_gives_the_eager_ddp_bits(cache, tmp_path):
+    """One rank under torchrun: the captured step (forward, loss, backward, DDP's bucket copies and
+    all-reduce, clip, Adam) against eager DDP steps; batch_size=2 over 3 training volumes puts a
+    short last batch (eager, into the graph's gradients) in every epoch."""
+    from helpers import TINY, torchrun
+
+    cfg = [*TINY, "scale=5", "model.base_width=16", "model.groups=4", "device=cuda", "epochs=2",
+           "batch_size=2", f"data.cache_dir={cache}"]
+    runs = {mode: tmp_path / mode for mode in ("on", "off")}
+    for mode, run_dir in runs.items():
+        res = torchrun(1, [*cfg, f"cuda_graph={mode}", f"hydra.run.dir={run_dir}"], tmp_path, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((runs["on"] / "result.json").read_text())["cuda_graph"] is True
+    assert json.loads((runs["off"] / "result.json").read_text())["cuda_graph"] is False
+    assert stable_rows(runs["on"] / "train_stats.csv") == stable_rows(runs["off"] / "train_stats.csv")
+    assert same_params(params(runs["on"]), params(runs["off"]))

@@ -440,7 +440,7 @@ def test_a_damaged_run_record_is_one_line(baseline, tmp_path, setup, expected):
 
 @pytest.mark.parametrize("override, expected", [
     ("device=cuda", "device='cuda': no CUDA device is available here"),
-    ("cuda_graph=on", "cuda_graph='on': expected one CUDA device in one process"),
+    ("cuda_graph=on", "cuda_graph='on': expected a CUDA device"),
 ])
 def test_runtime_config_errors_leave_no_run_directory(cache, tmp_path, override, expected):
     if torch.cuda.is_available():

@@ -55,18 +55,15 @@ def test_warmup_runs_on_a_copy_and_changes_nothing(tmp_path):
 
 
 def test_cuda_graph_on_where_it_cannot_run_is_one_line():
-    assert wants_graph("auto", torch.device("cpu"), 1) is False
-    assert wants_graph("off", torch.device("cuda", 0), 1) is False
-    assert wants_graph("auto", torch.device("cuda", 0), 1) is True
-    assert wants_graph("auto", torch.device("cuda", 0), 2) is False
-    with pytest.raises(ConfigError, match=r"^cuda_graph='on': expected one CUDA device in one process, "
-                                          r"got device cpu"):
-        wants_graph("on", torch.device("cpu"), 1)
-    with pytest.raises(ConfigError, match="got 2 processes"):
-        wants_graph("on", torch.device("cuda", 0), 2)
-    assert wants_graph("auto", torch.device("cuda", 0), 1, data_parallel=True) is False  # torchrun, 1 rank
-    with pytest.raises(ConfigError, match="got a data-parallel process group"):
-        wants_graph("on", torch.device("cuda", 0), 1, data_parallel=True)
+    assert wants_graph("auto", torch.device("cpu")) is False
+    assert wants_graph("off", torch.device("cuda", 0)) is False
+    assert wants_graph("auto", torch.device("cuda", 0)) is True  # one process, or under DDP
+    assert wants_graph("auto", torch.device("cuda", 0), shards=2) is False  # halo exchanges run eagerly
+    with pytest.raises(ConfigError, match=r"^cuda_graph='on': expected a CUDA device and volumes not split "
+                                          r"over ranks, got device cpu"):
+        wants_graph("on", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="got 2 spatial shards"):
+        wants_graph("on", torch.device("cuda", 0), shards=2)
 
 
 def test_the_clip_folded_into_fused_adam_is_the_clip():

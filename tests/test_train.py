@@ -176,7 +176,7 @@ def test_resume_before_the_first_checkpoint_starts_over_bitwise(baseline, cache,
     ("ladder.conv=fast", "ladder.conv='fast': expected auto | routed | triton | vendor"),
     ("cuda_graph=yes", "cuda_graph='yes': expected auto | on | off"),
     ("progress=2", "progress=2: expected true or false"),  # OmegaConf alone reads 2 as true
-    ("cuda_graph=on device=cpu", "cuda_graph='on': expected one CUDA device in one process, got device cpu"),
+    ("cuda_graph=on device=cpu", "cuda_graph='on': expected a CUDA device and volumes not split over ranks, got device cpu"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, override, expected):
     res = cli(*override.split(), "epochs=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
