@@ -237,3 +237,46 @@ def test_a_failing_rank_ends_a_sharded_job_within_a_bound(fault, cache, tmp_path
     assert res.returncode != 0
     assert re.search(r"rank\s*:\s*1\b", res.stderr), res.stderr[-3000:]
     assert time.monotonic() - t0 < 90
+
+
+# ---------------------------------------------------------------- on a GPU, before a multi-GPU machine
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, bound", [("fp32", 1e-4), ("bf16", 3e-2)])
+def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, bound, tmp_path):
+    """The sharded step on the GPU's own rungs (Triton convolutions on halo'd slabs), 2 ranks on one
+    GPU over gloo (exchanges staged through host memory), against one process on the same GPU: the
+    logits within `bound` of their largest magnitude, each gradient within `bound` of its largest
+    magnitude (fp32: summation order only; bf16: activations rounded where the two differ), the hard
+    Dice's counts exact in fp32. Prints the agreement and each rank's peak memory."""
+    from helpers import torchrun as launch
+    from spatial_case import case
+
+    from scaffold.metrics import hard_dice
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    scale, bottleneck, shards = 6, 3, 2
+    out = tmp_path / "sharded.pt"
+    res = launch(shards, [str(out), str(scale), str(shards), precision, str(bottleneck), "cuda"], tmp_path,
+                 entry=(str(REPO / "tests" / "spatial_worker.py"),), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = torch.load(out)
+    dev = torch.device("cuda")
+    torch.cuda.reset_peak_memory_stats(dev)
+    model, loss_fn, x, labels = case(scale, bottleneck=bottleneck, device=dev)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        logits = model(x)
+    loss = loss_fn.terms(logits.float(), labels)[0]
+    loss.backward()
+    whole_peak = torch.cuda.max_memory_allocated(dev)
+    logits = logits.detach().float().cpu()
+    err = (got["logits"].float() - logits).abs().max().item() / logits.abs().max().item()
+    worst = max(((got["grads"][n] - p.grad.cpu()).abs().max().item() / p.grad.abs().max().item(), n)
+                for n, p in model.named_parameters())
+    print(f"\n{precision}: logits off by {err:.2e} of their largest, worst gradient {worst[1]} off by "
+          f"{worst[0]:.2e} of its largest; peak memory per rank {[b / 2**20 for b in got['peak_bytes']]} MiB, "
+          f"one process {whole_peak / 2**20:.1f} MiB")
+    assert err <= bound and worst[0] <= bound
+    if precision == "fp32":
+        assert torch.equal(got["hard_dice"], hard_dice(logits, labels.cpu(), loss_fn.n_classes))

@@ -13,9 +13,27 @@ from scaffold.spatial.mesh import ShardGroup
 
 def _gather(t: torch.Tensor, sg: ShardGroup) -> list[torch.Tensor]:
     """Every rank's `t`, in rank order."""
-    parts = [torch.empty_like(t) for _ in range(sg.count)]
-    dist.all_gather(parts, t.contiguous(), group=sg.group)
-    return parts
+    src = t.contiguous().cpu() if sg.stage else t.contiguous()
+    parts = [torch.empty_like(src) for _ in range(sg.count)]
+    dist.all_gather(parts, src, group=sg.group)
+    return [p.to(t.device) for p in parts] if sg.stage else parts
+
+
+def _p2p(ops: list[tuple[bool, torch.Tensor, int]], sg: ShardGroup) -> None:
+    """Sends (True) and receives (False) of (send?, tensor, global peer rank), as one batch, in the
+    order given. Where the group cannot move device tensors (`sg.stage`: gloo with CUDA tensors, as
+    when two ranks share one GPU), through host copies; the received ones are copied back."""
+    if not ops:
+        return
+    moved = [(send, (t.cpu() if send else torch.empty(t.shape, dtype=t.dtype)) if sg.stage else t, peer)
+             for send, t, peer in ops]
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer, sg.group)
+                                        for send, t, peer in moved]):
+        work.wait()
+    if sg.stage:
+        for (send, t, _), (_, host, _) in zip(ops, moved):
+            if not send:
+                t.copy_(host)
 
 
 def _fixed_order_sum(t: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
@@ -65,13 +83,11 @@ def _exchange(first: torch.Tensor, last: torch.Tensor, sg: ShardGroup, prev: Opt
     ops, from_prev, from_next = [], None, None
     if prev is not None:
         from_prev = torch.empty_like(last)
-        ops += [dist.P2POp(dist.isend, first, prev, sg.group), dist.P2POp(dist.irecv, from_prev, prev, sg.group)]
+        ops += [(True, first, prev), (False, from_prev, prev)]
     if next_ is not None:
         from_next = torch.empty_like(first)
-        ops += [dist.P2POp(dist.isend, last, next_, sg.group), dist.P2POp(dist.irecv, from_next, next_, sg.group)]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        ops += [(True, last, next_), (False, from_next, next_)]
+    _p2p(ops, sg)
     return from_prev, from_next
 
 
@@ -143,9 +159,7 @@ def _ring_sum_slab(t: torch.Tensor, sg: ShardGroup, grid: Optional[Grid] = None)
     acc = piece((r - 1) % n).contiguous()  # block r − 1's sum starts here (sent in the default layout)
     for step in range(n - 1):
         got = torch.empty_like(acc)
-        ops = [dist.P2POp(dist.isend, acc, nxt, sg.group), dist.P2POp(dist.irecv, got, prv, sg.group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        _p2p([(True, acc, nxt), (False, got, prv)], sg)
         acc = (got + piece((r - 2 - step) % n)).contiguous()  # the block received, summed over ranks j+1 … r
     return acc.contiguous(memory_format=_layout(t))
 
@@ -213,14 +227,12 @@ def _move(x: torch.Tensor, sg: ShardGroup, src: Grid, dst: Grid, edge: int) -> t
             continue
         if give is not None:
             part = x[:, :, give[0] - mine_src[0]:give[1] - mine_src[0], give[2] - mine_src[2]:give[3] - mine_src[2]]
-            ops.append(dist.P2POp(dist.isend, part.contiguous(), sg.ranks[j], sg.group))
+            ops.append((True, part.contiguous(), sg.ranks[j]))
         if take is not None:
             buf = torch.empty((n, c, take[1] - take[0], take[3] - take[2], w), dtype=x.dtype, device=x.device)
-            ops.append(dist.P2POp(dist.irecv, buf, sg.ranks[j], sg.group))
+            ops.append((False, buf, sg.ranks[j]))
             landing.append((take, buf))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    _p2p(ops, sg)
     for take, buf in landing:
         out[:, :, take[0] - mine_dst[0]:take[1] - mine_dst[0], take[2] - mine_dst[2]:take[3] - mine_dst[2]] = buf
     return out

@@ -15,6 +15,7 @@ class ShardGroup:
     group: Any  # a torch.distributed ProcessGroup
     ranks: tuple[int, ...]
     index: int
+    stage: bool = False  # device tensors pass through host memory (gloo over CUDA tensors: ranks sharing a GPU)
 
     @property
     def count(self) -> int:
@@ -78,4 +79,7 @@ def make_mesh(rank: int, world: int, spatial: int, device_type: str, timeout_s: 
                                  mesh=torch.arange(world).view(data, spatial), mesh_dim_names=("data", "spatial"))
     group = mesh.get_group("spatial")
     ranks = tuple(dist.get_process_group_ranks(group))
-    return Mesh(ShardGroup(group, ranks, ranks.index(rank)), rank // spatial, data)
+    # gloo moves CUDA tensors in few collectives and no point-to-point ones: two ranks sharing one GPU
+    # (NCCL refuses that) exchange their device tensors through host memory.
+    stage = device_type == "cuda" and dist.get_backend(group) == "gloo"
+    return Mesh(ShardGroup(group, ranks, ranks.index(rank), stage), rank // spatial, data)
