@@ -86,7 +86,8 @@ def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("
     exe = shutil.which("torchrun")
     if exe is None:
         pytest.fail("torchrun is not on PATH (it comes with torch)")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join([str(REPO), str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     # --standalone: a rendezvous on a free local port, so concurrent launches never collide.
     try:
         return subprocess.run([exe, "--standalone", f"--nproc-per-node={nproc}", *entry, *args], cwd=cwd,

@@ -19,6 +19,10 @@ def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int, de
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device(device)
+    if dev.type == "cuda":
+        from scaffold import determinism
+
+        determinism.configure("default")  # as the trainer: no TF32 in cuDNN's fp32 convolutions
     mesh = make_mesh(rank, world, shards, dev.type)
     sg = mesh.shards
     model, loss_fn, x, labels = case(scale, bottleneck=bottleneck, device=dev)
