@@ -83,6 +83,8 @@ def _task(cfg) -> float:
             # Before run.json exists there is no run to resume: the directory goes (see main).
             hint = f" (resume={run_dir} continues it)" if (run_dir / "run.json").exists() else ""
             print(f"{e}{hint}", file=sys.stderr)
+            if hc.mode == RunMode.MULTIRUN:
+                _summary_of_a_stopped_sweep(hc)
         sys.exit(128 + e.signum)
     except (ConfigError, CheckpointError, StatsError, DatasetCorrupt, Diverged, OSError) as e:
         if isinstance(e, OSError) and e.errno not in cli.STORAGE_ERRORS:
@@ -104,6 +106,24 @@ def _task(cfg) -> float:
     value = objective_value(result, str(cfg.objective))
     log.info("objective %s = %s", cfg.objective, value)
     return value
+
+
+def _summary_of_a_stopped_sweep(hc) -> None:
+    """A sweep that a signal stops ends in this job: Hydra calls no end-of-sweep callback then, so the
+    summary of the jobs so far (this one `interrupted (resume=...)`) is written here, where the sweep's
+    summary callback is configured. Not in a job of a submitit launcher: there the job is requeued (or
+    fails) and the sweep goes on in the submitting process, which writes the summary at its end."""
+    from scaffold import report
+
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    targets = {str((c or {}).get("_target_", "")) for c in (hc.callbacks or {}).values()}
+    if f"{report.SweepSummary.__module__}.{report.SweepSummary.__name__}" not in targets:
+        return
+    try:
+        report.write_sweep_summary(Path(hc.sweep.dir))
+    except OSError as e:
+        log.warning("sweep summary not written (%s); python -m scaffold.report %s writes it", e, hc.sweep.dir)
 
 
 def _one_line_warnings() -> None:
