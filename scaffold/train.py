@@ -144,7 +144,7 @@ def _one_line_warnings() -> None:
 def main() -> None:
     _one_line_warnings()
     try:
-        sys.argv = [sys.argv[0]] + cli.preflight(sys.argv[1:], claim=True)
+        sys.argv = [sys.argv[0]] + cli.preflight(sys.argv[1:], claim=True, hydra_checks=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -155,6 +155,7 @@ def main() -> None:
         # The directories this process owns, given back; a run that never began (Hydra failed, say)
         # leaves no stray folder, and nothing this process did not create is removed.
         rundir.release_all(remove_unused=True)
+        cli.release_sweep_dir()
 
 
 if __name__ == "__main__":
