@@ -209,8 +209,15 @@ def resolve_auto_resume(argv: list[str]) -> list[str]:
     continues it), else a new run in DIR (the job's first start)."""
     if "resume=auto" not in argv:
         return argv
+    if any(a in ("-m", "--multirun") for a in argv):
+        # A sweep: each job continues the run its directory holds, else starts one (scaffold.train).
+        sweeps = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")]
+        if not sweeps or "${" in sweeps[-1]:
+            raise ConfigError("resume=auto in a sweep (-m): needs one fixed hydra.sweep.dir=<the sweep's "
+                              "directory>, whose jobs continue the runs they hold")
+        return argv
     dirs = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
-    if not dirs or "${" in dirs[-1] or any(a in ("-m", "--multirun") for a in argv):
+    if not dirs or "${" in dirs[-1]:
         raise ConfigError("resume=auto: needs one fixed hydra.run.dir=<the job's run directory> (e.g. "
                           "hydra.run.dir=outputs/slurm-$SLURM_JOB_ID), continued when it holds a run")
     rest = [a for a in argv if a != "resume=auto"]
@@ -356,6 +363,8 @@ def parse(argv: list[str]) -> Parsed:
             sweeps.append((o, values))
             continue
         value = o.value()
+        if key == "resume" and value == "auto":  # a sweep's: each job decides (scaffold.train)
+            continue
         _apply(cfg, key, value)
         if key == "resume":
             resume = value

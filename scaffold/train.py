@@ -68,6 +68,8 @@ def _task(cfg) -> float:
     overrides = [o for o in hc.overrides.task if not o.startswith("resume=")]
     run_dir = Path(hc.runtime.output_dir)
     try:
+        if hc.mode == RunMode.MULTIRUN:
+            cfg.resume = _job_resume(cfg.resume, run_dir)
         if cfg.resume is None and hc.mode != RunMode.MULTIRUN and int(os.environ.get("RANK", "0")) == 0:
             # A directory Hydra chose (another config file, an interpolated name): owned from here on.
             # With no lock file in it no run has claimed it, so Hydra's record and log are this run's.
@@ -85,6 +87,8 @@ def _task(cfg) -> float:
             print(f"{e}{hint}", file=sys.stderr)
             if hc.mode == RunMode.MULTIRUN:
                 _summary_of_a_stopped_sweep(hc)
+        if os.environ.get("SUBMITIT_EXECUTOR"):
+            _pass_on_to_submitit(e.signum)
         sys.exit(128 + e.signum)
     except (ConfigError, CheckpointError, StatsError, DatasetCorrupt, Diverged, OSError) as e:
         if isinstance(e, OSError) and e.errno not in cli.STORAGE_ERRORS:
@@ -108,6 +112,35 @@ def _task(cfg) -> float:
     return value
 
 
+def _job_resume(resume, run_dir: Path):
+    """A sweep job's `resume`: with `resume=auto`, and in every job a submitit launcher runs (which runs a
+    job again only when it was requeued: preempted, or past its time limit), the job continues the run
+    its directory holds, else starts one there."""
+    if resume != "auto" and not (resume is None and os.environ.get("SUBMITIT_EXECUTOR")):
+        return resume
+    if (run_dir / rundir.RUN_FILE).exists():
+        log.info("resume=auto: %s holds a run: continuing it", run_dir)
+        return str(run_dir)
+    return None
+
+
+def _pass_on_to_submitit(signum: int) -> None:
+    """In a job of a submitit launcher: once training has stopped and saved its position, the signal
+    goes on to the handler submitit installed (the run's own handler stood in for it meanwhile). For
+    submitit's warning signal (USR2) that handler resubmits the job (the launcher's checkpoint(): the same
+    job, whose directory now holds the run) and requeues it; it exits. Where submitit will not requeue
+    (a time limit reached too often), it says why in one line and the job ends here."""
+    import signal
+
+    handler = signal.getsignal(signum)
+    if not callable(handler) or handler is signal.default_int_handler:
+        return
+    try:
+        handler(signum, None)
+    except Exception as e:  # noqa: BLE001 - submitit's UncompletedJobError: not requeued
+        print(f"{signal.Signals(signum).name}: {e}", file=sys.stderr)
+
+
 def _summary_of_a_stopped_sweep(hc) -> None:
     """A sweep that a signal stops ends in this job: Hydra calls no end-of-sweep callback then, so the
     summary of the jobs so far (this one `interrupted (resume=...)`) is written here, where the sweep's
@@ -124,6 +157,8 @@ def _summary_of_a_stopped_sweep(hc) -> None:
         report.write_sweep_summary(Path(hc.sweep.dir))
     except OSError as e:
         log.warning("sweep summary not written (%s); python -m scaffold.report %s writes it", e, hc.sweep.dir)
+    print(f"the same command with resume=auto hydra.sweep.dir={hc.sweep.dir} continues the sweep (each job "
+          "the run its directory holds)", file=sys.stderr)
 
 
 def _one_line_warnings() -> None:
