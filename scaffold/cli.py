@@ -142,6 +142,19 @@ def _sweep_values(o: Any) -> Optional[list]:
         return None
 
 
+def _bad_override(args: list[str], error: Exception) -> str:
+    """Hydra's grammar error, naming the override it is about (Hydra's own message does not)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    for a in args:
+        try:
+            OverridesParser.create().parse_override(a)
+        except HydraException as e:
+            return f"{a}: {_one_line(e)} (Hydra's override grammar: KEY=VALUE, a sweep as KEY=A,B)"
+    return _one_line(error)
+
+
 def _one_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -196,8 +209,15 @@ def resolve_auto_resume(argv: list[str]) -> list[str]:
     continues it), else a new run in DIR (the job's first start)."""
     if "resume=auto" not in argv:
         return argv
+    if any(a in ("-m", "--multirun") for a in argv):
+        # A sweep: each job continues the run its directory holds, else starts one (scaffold.train).
+        sweeps = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")]
+        if not sweeps or "${" in sweeps[-1]:
+            raise ConfigError("resume=auto in a sweep (-m): needs one fixed hydra.sweep.dir=<the sweep's "
+                              "directory>, whose jobs continue the runs they hold")
+        return argv
     dirs = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
-    if not dirs or "${" in dirs[-1] or any(a in ("-m", "--multirun") for a in argv):
+    if not dirs or "${" in dirs[-1]:
         raise ConfigError("resume=auto: needs one fixed hydra.run.dir=<the job's run directory> (e.g. "
                           "hydra.run.dir=outputs/slurm-$SLURM_JOB_ID), continued when it holds a run")
     rest = [a for a in argv if a != "resume=auto"]
@@ -219,14 +239,83 @@ class Parsed:
 
 
 def preflight(argv: list[str], check_resume: bool = True, claim: bool = False,
-              check: Any = None) -> list[str]:
+              check: Any = None, hydra_checks: bool = False) -> list[str]:
     """Check overrides against the schema and `check` (the whole-config check, scaffold.plan.validate,
     by default); returns argv, with Hydra's run dir pointed at a resumed run (or, with `claim`, at a new
-    run's directory created here: see claim_run_dir). Three steps: parse, check, claim."""
+    run's directory created here: see claim_run_dir). Three steps: parse, check, claim; with
+    `hydra_checks`, Hydra's flags and its composition of the config are checked too (before the claim)."""
+    if hydra_checks:
+        check_hydra_flags(argv)
     argv = resolve_auto_resume(argv)
     parsed = parse(argv)
     check_parsed(parsed, check)
+    if hydra_checks:
+        check_composition(argv)
     return claim_dirs(argv, parsed, check_resume, claim)
+
+
+HYDRA_COMMANDS = (("run", "--run"), ("multirun", "--multirun (-m)"), ("cfg", "--cfg"), ("info", "--info"),
+                  ("shell_completion", "--shell-completion"))
+
+
+def check_hydra_flags(argv: list[str]) -> None:
+    """Hydra's own flags, read by Hydra's own parser: an unknown flag, an override after `-m` and one
+    before it (which Hydra's parser does not take), or two commands at once (`-m` with `--cfg`) are one
+    line here, not a usage page or a traceback from Hydra."""
+    try:
+        from hydra._internal.utils import get_args_parser
+    except ImportError:  # pragma: no cover - another Hydra layout: Hydra reports it itself
+        return
+    if "--version" in argv:  # Hydra's parser prints the version and exits
+        return
+    parser = get_args_parser()
+
+    def error(message: str) -> None:
+        if message.startswith("unrecognized arguments") and "=" in message:
+            message += (" (Hydra reads the overrides after its flags: python -m scaffold.train -m "
+                        "KEY=VALUE ...)")
+        raise ConfigError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    args = parser.parse_args(argv)
+    if args.config_dir is not None and not Path(args.config_dir).is_dir():
+        raise ConfigError(f"--config-dir {args.config_dir}: no such folder")
+    given = [flag for name, flag in HYDRA_COMMANDS if getattr(args, name) not in (None, False)]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)}: only one of --run, --multirun (-m), --cfg, --info and "
+                          "--shell-completion can be given")
+
+
+def check_composition(argv: list[str]) -> None:
+    """Compose the config as Hydra will, with the command line's overrides (a sweep's values were
+    checked one by one above, so sweeps are left out): an option missing from a config group
+    (`hydra/launcher=nope`) or a key missing from Hydra's own config (`hydra.launcher.nope=1`) is one
+    line here, before any folder is made, instead of Hydra's report of many lines (after a sweep's
+    folder was made). Left to Hydra where the command line picks another config file or folder."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, MissingConfigException
+
+    if any(a.split("=")[0] in (*CONFIG_SELECTORS, "--config-dir", "-cd", "--experimental-rerun") for a in argv):
+        return
+    args = [a for a in argv if ("=" in a or a.startswith("~")) and not a.startswith("-")]
+    fixed = [a for a in args if not OverridesParser.create().parse_override(a).is_sweep_override()]
+    register()
+    d = conf_dir()
+    init = (initialize_config_module(d[len("pkg://"):], version_base=None) if d.startswith("pkg://")
+            else initialize_config_dir(config_dir=d, version_base=None))
+    try:
+        with init:
+            compose(config_name="config", overrides=fixed, return_hydra_config=True)
+    except MissingConfigException as e:
+        group, _, name = str(e.missing_cfg_file or "").rpartition("/")
+        if group and e.options:
+            raise ConfigError(f"{group}={name}: no such option (choose from: {' | '.join(e.options)})") from None
+        raise ConfigError(_one_line(e)) from None
+    except (HydraException, OmegaConfBaseException) as e:
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        why = f": {_one_line(e.__cause__)}" if e.__cause__ is not None else ""
+        raise ConfigError((" ".join(lines[:2]) or type(e).__name__) + why) from None
 
 
 def parse(argv: list[str]) -> Parsed:
@@ -241,6 +330,9 @@ def parse(argv: list[str]) -> Parsed:
             raise ConfigError(f"{a}: an override needs a key (KEY=VALUE, e.g. scale{a})")
     try:
         parsed = OverridesParser.create().parse_overrides(args)
+    except HydraException as e:
+        raise ConfigError(_bad_override(args, e)) from None
+    try:
         check_launcher(parsed)
         # A chosen preset's sweeper params are a search space too: checked like the command line's
         # sweeps, except where the command line replaces them (as the sweeper does).
@@ -271,6 +363,8 @@ def parse(argv: list[str]) -> Parsed:
             sweeps.append((o, values))
             continue
         value = o.value()
+        if key == "resume" and value == "auto":  # a sweep's: each job decides (scaffold.train)
+            continue
         _apply(cfg, key, value)
         if key == "resume":
             resume = value
@@ -310,8 +404,8 @@ def claim_dirs(argv: list[str], p: Parsed, check_resume: bool = True, claim: boo
     if int(os.environ.get("RANK", "0")) > 0:
         # Under torchrun only rank 0 decides the run directory (the worker broadcasts it); the other
         # ranks must not create directories or logs of their own.
-        argv = argv + ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
-                       "hydra/hydra_logging=disabled"]
+        argv = with_overrides(argv, ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+                                     "hydra/hydra_logging=disabled"])
     main = int(os.environ.get("RANK", "0")) == 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and any(a in ("-m", "--multirun") for a in argv):
         # Every rank would run Hydra's sweep on its own, each job tearing the process group down and
@@ -334,8 +428,17 @@ def claim_dirs(argv: list[str], p: Parsed, check_resume: bool = True, claim: boo
         check_resume_dir(run_dir, resume, lock=main, own=claim)
         if not any(a.startswith("hydra.run.dir=") for a in argv):
             # Continue in the run's own directory; do not let Hydra overwrite its .hydra/ record.
-            argv = argv + [f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
+            argv = with_overrides(argv, [f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"])
     return argv
+
+
+def with_overrides(argv: list[str], extra: list[str]) -> list[str]:
+    """argv with `extra` overrides beside its own (after the last of them): Hydra's parser takes the
+    overrides as one run of words, so one added after a trailing flag (`--config-dir DIR`) would be
+    refused."""
+    at = max((i + 1 for i, a in enumerate(argv) if ("=" in a or a.startswith("~")) and not a.startswith("-")),
+             default=len(argv))
+    return argv[:at] + extra + argv[at:]
 
 
 # Errors of the storage rather than of the program: a full disk or quota, a read-only filesystem, a
@@ -378,6 +481,16 @@ def _hydra_dirs() -> dict[str, str]:
 
 CLAIMED: Optional[Path] = None  # the run (or sweep) directory preflight created for this process, if any
 CLAIMED_RUN = False  # whether CLAIMED is a single run's directory (not a sweep's)
+SWEEP_MADE: list[Path] = []  # the folders claim_run_dir created for a sweep, outermost first
+
+
+def release_sweep_dir() -> None:
+    """At the command's end: the sweep folder claim_run_dir created (and its date folder), removed when
+    nothing was written into them (Hydra failed before the sweep began)."""
+    from scaffold import rundir
+
+    rundir.remove_if_empty(SWEEP_MADE)
+    SWEEP_MADE.clear()
 
 
 def claim_run_dir(argv: list[str], parsed: list) -> list[str]:
@@ -399,10 +512,11 @@ def claim_run_dir(argv: list[str], parsed: list) -> list[str]:
         if key == "hydra.run.dir":  # owned (locked) from here on, so that Hydra writes into ours only
             CLAIMED, CLAIMED_RUN = rundir.own_new(pattern).path, True
         else:
-            CLAIMED, CLAIMED_RUN = rundir.claim_new(pattern).absolute(), False
+            SWEEP_MADE[:] = rundir.claim_new_made(pattern)
+            CLAIMED, CLAIMED_RUN = SWEEP_MADE[-1], False
     except OSError as e:
         raise ConfigError(f"{key}={pattern}: cannot create the run directory ({e.strerror or e})") from None
-    return argv + [f"{key}={CLAIMED}"]
+    return with_overrides(argv, [f"{key}={CLAIMED}"])
 
 
 def own_run_dir(run_dir: Path, hydra_files_ours: bool = False) -> None:

@@ -331,16 +331,24 @@ except ImportError:  # pragma: no cover
     Callback = object  # type: ignore[misc,assignment]
 
 
+def write_sweep_summary(sweep_dir: Path) -> None:
+    """Write a sweep's summary.csv / summary.md and print the table (the end of a multirun, or of one
+    stopped by a signal)."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.exists():
+        return
+    rows = summarize_sweep(sweep_dir)
+    print(f"sweep summary ({len(rows)} jobs): {sweep_dir / 'summary.md'}")
+    print((sweep_dir / "summary.md").read_text(), end="")
+
+
 class SweepSummary(Callback):
-    """Hydra callback: at the end of a multirun, write summary.csv / summary.md in the sweep directory."""
+    """Hydra callback: at the end of a multirun, write summary.csv / summary.md in the sweep directory.
+    Hydra calls it only when every job has returned: a sweep stopped by a signal writes its summary
+    from the stopped job instead (scaffold.train)."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.exists():
-            return
-        rows = summarize_sweep(sweep_dir)
-        print(f"sweep summary ({len(rows)} jobs): {sweep_dir / 'summary.md'}")
-        print((sweep_dir / "summary.md").read_text(), end="")
+        write_sweep_summary(Path(config.hydra.sweep.dir))
 
 
 if __name__ == "__main__":

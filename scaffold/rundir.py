@@ -65,6 +65,23 @@ def own_new(pattern: str, now: Optional[_dt.datetime] = None) -> "Claim":
     return own(path, made=parents + [path])
 
 
+def claim_new_made(pattern: str, now: Optional[_dt.datetime] = None) -> list[Path]:
+    """`claim_new`, returning every folder it created, outermost first (the new directory last): what
+    `remove_if_empty` may take away again when nothing was written into them."""
+    now = now or _dt.datetime.now()
+    parents = _makedirs(Path(_resolve_now(pattern, now)).absolute().parent)
+    return parents + [claim_new(pattern, now).absolute()]
+
+
+def remove_if_empty(made: list[Path]) -> None:
+    """Remove the folders of `made` (outermost first) from the innermost out, while they are empty."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            break  # something is in it: leave it and its parents
+
+
 def _resolve_now(pattern: str, now: _dt.datetime) -> str:
     out, rest = [], pattern
     while "${now:" in rest:

@@ -68,6 +68,8 @@ def _task(cfg) -> float:
     overrides = [o for o in hc.overrides.task if not o.startswith("resume=")]
     run_dir = Path(hc.runtime.output_dir)
     try:
+        if hc.mode == RunMode.MULTIRUN:
+            cfg.resume = _job_resume(cfg.resume, run_dir)
         if cfg.resume is None and hc.mode != RunMode.MULTIRUN and int(os.environ.get("RANK", "0")) == 0:
             # A directory Hydra chose (another config file, an interpolated name): owned from here on.
             # With no lock file in it no run has claimed it, so Hydra's record and log are this run's.
@@ -83,6 +85,10 @@ def _task(cfg) -> float:
             # Before run.json exists there is no run to resume: the directory goes (see main).
             hint = f" (resume={run_dir} continues it)" if (run_dir / "run.json").exists() else ""
             print(f"{e}{hint}", file=sys.stderr)
+            if hc.mode == RunMode.MULTIRUN:
+                _summary_of_a_stopped_sweep(hc)
+        if os.environ.get("SUBMITIT_EXECUTOR"):
+            _pass_on_to_submitit(e.signum)
         sys.exit(128 + e.signum)
     except (ConfigError, CheckpointError, StatsError, DatasetCorrupt, Diverged, OSError) as e:
         if isinstance(e, OSError) and e.errno not in cli.STORAGE_ERRORS:
@@ -106,6 +112,55 @@ def _task(cfg) -> float:
     return value
 
 
+def _job_resume(resume, run_dir: Path):
+    """A sweep job's `resume`: with `resume=auto`, and in every job a submitit launcher runs (which runs a
+    job again only when it was requeued: preempted, or past its time limit), the job continues the run
+    its directory holds, else starts one there."""
+    if resume != "auto" and not (resume is None and os.environ.get("SUBMITIT_EXECUTOR")):
+        return resume
+    if (run_dir / rundir.RUN_FILE).exists():
+        log.info("resume=auto: %s holds a run: continuing it", run_dir)
+        return str(run_dir)
+    return None
+
+
+def _pass_on_to_submitit(signum: int) -> None:
+    """In a job of a submitit launcher: once training has stopped and saved its position, the signal
+    goes on to the handler submitit installed (the run's own handler stood in for it meanwhile). For
+    submitit's warning signal (USR2) that handler resubmits the job (the launcher's checkpoint(): the same
+    job, whose directory now holds the run) and requeues it; it exits. Where submitit will not requeue
+    (a time limit reached too often), it says why in one line and the job ends here."""
+    import signal
+
+    handler = signal.getsignal(signum)
+    if not callable(handler) or handler is signal.default_int_handler:
+        return
+    try:
+        handler(signum, None)
+    except Exception as e:  # noqa: BLE001 - submitit's UncompletedJobError: not requeued
+        print(f"{signal.Signals(signum).name}: {e}", file=sys.stderr)
+
+
+def _summary_of_a_stopped_sweep(hc) -> None:
+    """A sweep that a signal stops ends in this job: Hydra calls no end-of-sweep callback then, so the
+    summary of the jobs so far (this one `interrupted (resume=...)`) is written here, where the sweep's
+    summary callback is configured. Not in a job of a submitit launcher: there the job is requeued (or
+    fails) and the sweep goes on in the submitting process, which writes the summary at its end."""
+    from scaffold import report
+
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    targets = {str((c or {}).get("_target_", "")) for c in (hc.callbacks or {}).values()}
+    if f"{report.SweepSummary.__module__}.{report.SweepSummary.__name__}" not in targets:
+        return
+    try:
+        report.write_sweep_summary(Path(hc.sweep.dir))
+    except OSError as e:
+        log.warning("sweep summary not written (%s); python -m scaffold.report %s writes it", e, hc.sweep.dir)
+    print(f"the same command with resume=auto hydra.sweep.dir={hc.sweep.dir} continues the sweep (each job "
+          "the run its directory holds)", file=sys.stderr)
+
+
 def _one_line_warnings() -> None:
     """Our own warnings (a ladder rung that cannot run, say) as one line each, without the source line
     Python's default format appends."""
@@ -124,7 +179,7 @@ def _one_line_warnings() -> None:
 def main() -> None:
     _one_line_warnings()
     try:
-        sys.argv = [sys.argv[0]] + cli.preflight(sys.argv[1:], claim=True)
+        sys.argv = [sys.argv[0]] + cli.preflight(sys.argv[1:], claim=True, hydra_checks=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -135,6 +190,7 @@ def main() -> None:
         # The directories this process owns, given back; a run that never began (Hydra failed, say)
         # leaves no stray folder, and nothing this process did not create is removed.
         rundir.release_all(remove_unused=True)
+        cli.release_sweep_dir()
 
 
 if __name__ == "__main__":

@@ -55,13 +55,14 @@ class Interrupted(RuntimeError):
         self.signum = signum
 
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
+# SIGUSR2: submitit's warning before a time limit or a preemption (hydra/launcher=slurm).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
                      if hasattr(signal, name))
 
 
 class StopRequest:
-    """SIGTERM (a scheduler's preemption), SIGUSR1 (a scheduler's warning before it, e.g. Slurm's
-    `--signal=USR1@120`), SIGINT (Ctrl-C) and SIGHUP (a closed terminal or ssh session), turned into a
+    """SIGTERM (a scheduler's preemption), SIGUSR1 or SIGUSR2 (a scheduler's warning before it, e.g. Slurm's
+    `--signal=USR1@120`, submitit's USR2), SIGINT (Ctrl-C) and SIGHUP (a closed terminal or ssh session), turned into a
     stop at a clean point.
 
     While the training loop runs (`armed`), a signal only sets `signum`: the loop stops at the next
