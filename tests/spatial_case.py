@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def case(scale: int, batch: int = 2, n_classes: int = 4, bottleneck: int = 2, device=None):
+def case(scale: int, batch: int = 2, n_classes: int = 4, bottleneck: int = 2, device=None, norm: str = "auto"):
     """(model, loss, input, labels), built on the CPU from fixed seeds, then moved to `device` (CUDA:
-    channels-last, as the trainer runs it)."""
+    channels-last, as the trainer runs it); `norm` is the GroupNorms' ladder setting (`triton` runs
+    them on the Triton kernels on a CPU too, in the interpreter)."""
     from scaffold.loss import SegmentationLoss
     from scaffold.model.unet import UNet3d
 
@@ -19,6 +20,11 @@ def case(scale: int, batch: int = 2, n_classes: int = 4, bottleneck: int = 2, de
     labels[0, :, :, : edge // 2] = 0  # some structure: a half-empty volume
     x = torch.randn(batch, 3, edge, edge, edge, generator=g)
     loss = SegmentationLoss(torch.tensor([0.5] + [2.0] * (n_classes - 1)))
+    if norm != "auto":
+        from scaffold.config import LadderConfig
+        from scaffold.model.ladder import set_ladder
+
+        set_ladder(model, LadderConfig(group_norm=norm))
     if device is not None and torch.device(device).type == "cuda":
         model = model.to(device, memory_format=torch.channels_last_3d)
         loss, x, labels = loss.to(device), x.to(device).contiguous(memory_format=torch.channels_last_3d), labels.to(device)

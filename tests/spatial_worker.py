@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 
-def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int, device: str = "cpu") -> None:
+def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int, device: str = "cpu",
+         norm: str = "auto") -> None:
     from scaffold.metrics import hard_dice
     from scaffold.spatial import all_sum, make_mesh, shard_model
     from tests.spatial_case import case
@@ -25,7 +26,7 @@ def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int, de
         determinism.configure("default")  # as the trainer: no TF32 in cuDNN's fp32 convolutions
     mesh = make_mesh(rank, world, shards, dev.type)
     sg = mesh.shards
-    model, loss_fn, x, labels = case(scale, bottleneck=bottleneck, device=dev)
+    model, loss_fn, x, labels = case(scale, bottleneck=bottleneck, device=dev, norm=norm)
     shard_model(model, sg)
     lo, hi = sg.slab(x.shape[2])
     sharded_loss = loss_fn.split(lambda t: all_sum(t, sg))
@@ -46,10 +47,12 @@ def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int, de
     if rank == 0:
         torch.save({"logits": torch.cat(parts, 2).cpu(), "loss": loss.detach().cpu(), "ce": ce.detach().cpu(),
                     "dice": dice.detach().cpu(), "per_sample": per_sample.cpu(), "hard_dice": hd.cpu(),
-                    "grads": {n: g.cpu() for n, g in grads.items()}, "peak_bytes": peak}, out_path)
+                    "grads": {n: g.cpu() for n, g in grads.items()}, "peak_bytes": peak,
+                    "norm_rungs": sorted({r for m in model.modules() if type(m).__name__ == "ShardedGroupNorm"
+                                          for r in m.rungs_ran})}, out_path)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "bf16", int(sys.argv[5]), *sys.argv[6:7])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "bf16", int(sys.argv[5]), *sys.argv[6:8])

@@ -42,24 +42,28 @@ def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("
 
 # ------------------------------------------------------------------------------------------ the step
 
-@pytest.mark.parametrize("scale, bottleneck, shards", [(4, 2, 2), (4, 2, 4), (3, 1, 4), (4, 1, 8)])
-def test_a_sharded_step_matches_one_process(scale, bottleneck, shards, tmp_path):
+@pytest.mark.parametrize("scale, bottleneck, shards, norm", [(4, 2, 2, "auto"), (4, 2, 4, "auto"),
+                                                             (3, 1, 4, "triton"), (4, 1, 8, "auto")])
+def test_a_sharded_step_matches_one_process(scale, bottleneck, shards, norm, tmp_path):
     """Forward output, loss, per-sample losses, hard Dice and every parameter gradient of a step whose
     volumes are split over 2 or 4 ranks, against the same step in one process (fp32, batch 2).
     (3, 1, 4): one plane per rank at level 1, then a bottleneck of 2 planes split along D and H (2 x 2
     blocks: the activations move between the splits both ways). (4, 1, 8): D slabs, then D and H
     (4 x 2) at level 2, then a bottleneck too small for either, which runs whole on every rank
     (gathered from the 4 x 2 blocks, then cut back). Bound: 1e-4 absolute on the logits and 1e-4 of each gradient's
-    largest magnitude (summation order differs, nothing else); the hard Dice's counts are exact."""
+    largest magnitude (summation order differs, nothing else); the hard Dice's counts are exact.
+    `norm`: the GroupNorms' setting on both sides; `triton` runs the slab GroupNorm on the Triton
+    kernels (in the interpreter: slow, so on the smallest case, whose blocks are split along D and H)."""
     from spatial_case import case
 
     from scaffold.metrics import hard_dice
 
     out = tmp_path / "sharded.pt"
-    torchrun(shards, [str(out), str(scale), str(shards), "fp32", str(bottleneck)], tmp_path,
+    torchrun(shards, [str(out), str(scale), str(shards), "fp32", str(bottleneck), "cpu", norm], tmp_path,
              entry=(str(REPO / "tests" / "spatial_worker.py"),))
     got = torch.load(out)
-    model, loss_fn, x, labels = case(scale, bottleneck=bottleneck)
+    assert got["norm_rungs"] == [norm if norm == "triton" else "vendor"]  # the slab GroupNorms' rung
+    model, loss_fn, x, labels = case(scale, bottleneck=bottleneck, norm=norm)
     logits = model(x)
     loss = loss_fn._eager(logits, labels)[0]
     loss.backward()
@@ -262,6 +266,7 @@ def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, bound, tmp
                  entry=(str(REPO / "tests" / "spatial_worker.py"),), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = torch.load(out)
+    assert got["norm_rungs"] == ["triton"]
     from scaffold import determinism
 
     dev = torch.device("cuda")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -95,26 +95,27 @@ def _gn_fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn
 
 
 @triton.jit
-def _gn_fwd_combine_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, S, C, G, CG, chunk, splits, eps,
+def _gn_fwd_combine_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, S, C, G, CG, chunk, splits, per, R, eps,
                         BLOCK_P: tl.constexpr, BLOCK_CG: tl.constexpr):
     """Per (sample, group), grid (N, G): the group's mean, the count-weighted mean of the split
     means; then its M2 = Σ M2_i + n_i·(mean_i − mean)² (the parallel-axis theorem). Both sums run
-    in a fixed order. Stores the mean and rstd."""
+    in a fixed order. Stores the mean and rstd. The splits may come from R blocks of a volume split
+    over ranks (R · per of them, `per` splits of S voxels each block; one block: R = 1, per = splits)."""
     n = tl.program_id(0)
     g = tl.program_id(1)
     k = tl.arange(0, BLOCK_CG)
     cols = g * CG + k
-    total = (S * CG).to(tl.float32)
+    total = (S * CG).to(tl.float32) * R
     acc = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
     for p0 in range(0, splits, BLOCK_P):
         p, mask, offs = _partials_block(p0, n, k, cols, splits, C, CG, BLOCK_P)
-        cnt = tl.minimum(chunk, S - p * chunk).to(tl.float32)
+        cnt = tl.minimum(chunk, S - (p % per) * chunk).to(tl.float32)
         acc += tl.where(mask, cnt[:, None] * tl.load(pmean_ptr + offs, mask=mask, other=0.0), 0.0)
     mean = tl.sum(tl.sum(acc, axis=1), axis=0) / total
     acc = tl.zeros([BLOCK_P, BLOCK_CG], tl.float32)
     for p0 in range(0, splits, BLOCK_P):
         p, mask, offs = _partials_block(p0, n, k, cols, splits, C, CG, BLOCK_P)
-        cnt = tl.minimum(chunk, S - p * chunk).to(tl.float32)
+        cnt = tl.minimum(chunk, S - (p % per) * chunk).to(tl.float32)
         d = tl.load(pmean_ptr + offs, mask=mask, other=0.0) - mean
         m2 = tl.load(pm2_ptr + offs, mask=mask, other=0.0)
         acc += tl.where(mask, m2 + cnt[:, None] * d * d, 0.0)
@@ -379,8 +380,19 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
 
 # --- launchers (tests call these directly, e.g. with NaN-poisoned `out` buffers) --------------------
 
-def statistics(x: torch.Tensor, strides: tuple, plan: Plan, G: int, eps: float):
-    """(mean, rstd), fp32 [N, G]: the forward's first two launches over x (its [N, S, C] strides)."""
+# A volume split over ranks: `gather(a, b)` returns every rank's [N, splits, C] partials of a block, joined
+# along the splits in rank order ([N, R·splits, C] each), the same on every rank (scaffold.spatial).
+Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _block_p(plan: Plan, splits: int) -> int:
+    return max(1, min(next_pow2(splits), 4096 // plan.block_cg))
+
+
+def statistics(x: torch.Tensor, strides: tuple, plan: Plan, G: int, eps: float,
+               gather: Optional[Gather] = None):
+    """(mean, rstd), fp32 [N, G]: the forward's first two launches over x (its [N, S, C] strides).
+    With `gather`, x is one block of a volume split over ranks and the statistics are the volume's."""
     N, C = x.shape[:2]
     S = x[0, 0].numel()
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -391,17 +403,23 @@ def statistics(x: torch.Tensor, strides: tuple, plan: Plan, G: int, eps: float):
     _gn_fwd_partials_kernel[(N, plan.splits)](
         x, pmean, pm2, S, C, plan.chunk, plan.splits, *strides,
         BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps, **plan.fwd_loop)
+    splits, ranks, block_p = plan.splits, 1, plan.block_p
+    if gather is not None:
+        pmean, pm2 = gather(pmean, pm2)
+        splits = pmean.shape[1]
+        ranks, block_p = splits // plan.splits, _block_p(plan, splits)
     _gn_fwd_combine_kernel[(N, G)](
-        pmean, pm2, mean, rstd, S, C, G, C // G, plan.chunk, plan.splits, float(eps),
-        BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
+        pmean, pm2, mean, rstd, S, C, G, C // G, plan.chunk, splits, plan.splits, ranks, float(eps),
+        BLOCK_P=block_p, BLOCK_CG=plan.block_cg, num_warps=4)
     return mean, rstd
 
 
 def merge_grad_sums(pg: torch.Tensor, pgx: torch.Tensor, weight: Optional[torch.Tensor],
                     bias: Optional[torch.Tensor], plan: Plan, S: int, G: int):
-    """(c1, c2, dweight, dbias) from the backward's per-split sums of g and g·x̂ ([N, splits, C]):
-    the per-(sample, group) constants of dx and the parameters' gradients, in fixed-order sums."""
-    N, _, C = pg.shape
+    """(c1, c2, dweight, dbias) from the backward's per-split sums of g and g·x̂ ([N, splits, C], any
+    number of splits: a split volume's ranks' joined, with S their voxels together): the per-(sample,
+    group) constants of dx and the parameters' gradients, in fixed-order sums."""
+    N, splits, C = pg.shape
     f32 = dict(dtype=torch.float32, device=pg.device)
     sg = torch.empty((N, C), **f32)
     sgx = torch.empty((N, C), **f32)
@@ -411,8 +429,8 @@ def merge_grad_sums(pg: torch.Tensor, pgx: torch.Tensor, weight: Optional[torch.
     dw = torch.empty((C,), dtype=pdtype, device=pg.device)
     db = torch.empty((C,), dtype=bias.dtype if bias is not None else pdtype, device=pg.device)
     _gn_bwd_combine_kernel[(N, G)](
-        pg, pgx, weight if weight is not None else pg, sg, sgx, c1, c2, S, C, G, C // G, plan.splits,
-        HAS_W=weight is not None, BLOCK_P=plan.block_p, BLOCK_CG=plan.block_cg, num_warps=4)
+        pg, pgx, weight if weight is not None else pg, sg, sgx, c1, c2, S, C, G, C // G, splits,
+        HAS_W=weight is not None, BLOCK_P=_block_p(plan, splits), BLOCK_CG=plan.block_cg, num_warps=4)
     block = min(1024, next_pow2(C))
     _gn_sum_over_batch_kernel[(cdiv(C, block),)](sg, sgx, db, dw, N, C, BLOCK=block, num_warps=4)
     return c1, c2, dw, db
@@ -420,8 +438,10 @@ def merge_grad_sums(pg: torch.Tensor, pgx: torch.Tensor, weight: Optional[torch.
 
 def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], eps: float, relu: bool, out_dtype: torch.dtype,
-            out: Optional[torch.Tensor] = None, tile: Optional[NormTile] = None):
-    """Returns (y, mean, rstd); mean and rstd are fp32 [N, G]. Reads x twice, writes y once."""
+            out: Optional[torch.Tensor] = None, tile: Optional[NormTile] = None,
+            gather: Optional[Gather] = None):
+    """Returns (y, mean, rstd); mean and rstd are fp32 [N, G]. Reads x twice, writes y once. With
+    `gather`, x is one block of a volume split over ranks, normalized with the volume's statistics."""
     N, C = x.shape[:2]
     S = x[0, 0].numel()
     G = num_groups
@@ -431,7 +451,7 @@ def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
     plan = plan_for(N, C, S, G, x.device, x.dtype, tile)
     y = empty_like_layout(x, out_dtype) if out is None else out
     y_sn, y_ss, y_sc = nsc_strides(y)
-    mean, rstd = statistics(x, (x_sn, x_ss, x_sc), plan, G, eps)
+    mean, rstd = statistics(x, (x_sn, x_ss, x_sc), plan, G, eps, gather)
     _gn_fwd_normalize_kernel[(plan.tiles, N)](
         x, y, mean, rstd, weight if weight is not None else mean, bias if bias is not None else mean,
         S, C, G, C // G, x_sn, x_ss, x_sc, y_sn, y_ss, y_sc,
@@ -442,9 +462,12 @@ def forward(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
 
 def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor, num_groups: int,
-             relu: bool, out: Optional[torch.Tensor] = None, tile: Optional[NormTile] = None):
+             relu: bool, out: Optional[torch.Tensor] = None, tile: Optional[NormTile] = None,
+             gather: Optional[Gather] = None):
     """Returns (dx, dweight, dbias); dweight and dbias are [C] in the weight's dtype (fp32 without one).
-    Reads x and dy twice, writes dx once."""
+    Reads x and dy twice, writes dx once. With `gather` (x one block of a split volume): dx from the
+    volume's group sums; dweight and dbias this block's part (the ranks' parts are summed with the
+    other gradients)."""
     N, C = x.shape[:2]
     S = x[0, 0].numel()
     G = num_groups
@@ -463,6 +486,9 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
         x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, **flags,
         BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=plan.num_warps, **plan.bwd_loop)
     c1, c2, dw, db = merge_grad_sums(pg, pgx, weight, bias, plan, S, G)
+    if gather is not None:
+        pg, pgx = gather(pg, pgx)
+        c1, c2, _, _ = merge_grad_sums(pg, pgx, weight, bias, plan, S * (pg.shape[1] // plan.splits), G)
     _gn_bwd_dx_kernel[(plan.tiles, N)](
         x, dy, dx, mean, rstd, w, b, c1, c2, S, C, G, C // G,
         x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, o_sn, o_ss, o_sc, **flags,

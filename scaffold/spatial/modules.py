@@ -3,13 +3,17 @@ block forms (halo'd convolutions, slab GroupNorms) by `shard_model`, in place, w
 and state-dict keys; the census lists them (`sharded`)."""
 from __future__ import annotations
 
+import warnings
+from functools import partial
 from typing import Optional
 
 import torch
 
 from scaffold.model.grid import Grid, level_grids
-from scaffold.model.ladder import VENDOR, FastConv3d, FastGroupNorm
-from scaffold.spatial.collectives import _fixed_order_sum, _layout, gather_depth, halo, redistribute
+from scaffold.model import policy
+from scaffold.model.ladder import VENDOR, FastConv3d, FastGroupNorm, LadderWarning
+from scaffold.model.policy import GroupNormCall
+from scaffold.spatial.collectives import _fixed_order_sum, _gather, _layout, gather_depth, halo, redistribute
 from scaffold.spatial.mesh import ShardGroup
 
 class HaloConv3d(FastConv3d):
@@ -70,20 +74,69 @@ class _SlabGroupNorm(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+class _TritonSlabGroupNorm(torch.autograd.Function):
+    """GroupNorm (+ ReLU) of a block on the Triton rung's kernels (scaffold.kernels.groupnorm) with the
+    whole volume's statistics: each rank's per-split partials (mean and M2 forward; the sums of g and
+    g·x̂ backward) are gathered in rank order and merged in one fixed order, the same on every rank;
+    the weight and bias gradients are the block's own part, as on the other rung."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups: int, eps: float, relu: bool, out_dtype, sg: ShardGroup):
+        from scaffold.kernels import groupnorm
+
+        gather = partial(_join_partials, sg=sg)
+        y, mean, rstd = groupnorm.forward(x, groups, weight, bias, eps, relu, out_dtype, gather=gather)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.groups, ctx.relu, ctx.gather = groups, relu, gather
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        from scaffold.kernels import groupnorm
+
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = groupnorm.backward(grad, x, weight, bias, mean, rstd, ctx.groups, ctx.relu,
+                                        gather=ctx.gather)
+        return dx, dw, db, None, None, None, None, None
+
+
+def _join_partials(a: torch.Tensor, b: torch.Tensor, sg: ShardGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's [N, splits, C] partials a and b, joined along the splits in rank order."""
+    parts = _gather(torch.stack([a, b]), sg)
+    both = torch.cat(parts, dim=2)
+    return both[0].contiguous(), both[1].contiguous()
+
+
 class ShardedGroupNorm(FastGroupNorm):
-    """GroupNorm (+ ReLU) over a D-slab with the whole volume's statistics (see _SlabGroupNorm); the
+    """GroupNorm (+ ReLU) over a block with the whole volume's statistics, on the site's rung: Triton
+    (_TritonSlabGroupNorm) where the ladder picks it for this call, else torch's fp32 ops
+    (_SlabGroupNorm); a Triton failure sends the site to torch's ops for good, as on one device. The
     output dtype follows FastGroupNorm's rule under autocast. Same parameters and state-dict keys."""
 
     shards: ShardGroup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.rungs_ran.add(VENDOR)  # torch's ops, for the census
         kind = x.device.type
         out_dtype = x.dtype
         if torch.is_autocast_enabled(kind):
             out_dtype = torch.get_autocast_dtype(kind) if self.autocast_output else torch.float32
-        return _SlabGroupNorm.apply(x, self.weight, self.bias, self.num_groups, self.eps, self.relu, out_dtype,
-                                    self.shards)
+        args = (x, self.weight, self.bias, self.num_groups, self.eps, self.relu, out_dtype, self.shards)
+        call = GroupNormCall(x, self.num_groups, self.weight, self.bias, self.eps, self.relu, out_dtype, 0)
+        if not self.vendor_only and policy.select_rung(self.op, self.ladder_setting, call) == policy.TRITON:
+            try:
+                out = _TritonSlabGroupNorm.apply(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every rank fails alike (same shapes, same kernels)
+                self.vendor_only = True
+                self.fallback_error = f"triton: {type(exc).__name__}: {exc}".splitlines()[0]
+                warnings.warn(f"{self.ladder_name} (group_norm, sharded): rung 'triton' failed, using torch's "
+                              f"ops from now on: {self.fallback_error}", LadderWarning, stacklevel=2)
+            else:
+                self.rungs_ran.add(policy.TRITON)
+                return out
+        self.rungs_ran.add(VENDOR)  # torch's ops, for the census
+        return _SlabGroupNorm.apply(*args)
 
 
 def shard_model(model: torch.nn.Module, sg: Optional[ShardGroup]) -> torch.nn.Module:
