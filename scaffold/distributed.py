@@ -6,13 +6,16 @@ Reductions take and return device tensors and never read them back to the host.
 
 Failure is bounded: every collective waits at most `timeout_s` for the other ranks (the process group's
 timeout; NCCL's watchdog then aborts the process), and torchrun's agent ends the other ranks as soon as
-one exits with an error, so a dead or failing rank never leaves the job hanging.
+one exits with an error, so a dead or failing rank never leaves the job hanging. A hung rank (stopped, not
+dead) is found by the others' timeout; on gloo they then call the roll (`roll_call`: torch's
+monitored_barrier on a group kept for it) and the error names the ranks that did not arrive.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -45,7 +48,52 @@ def init(device_kind: str, timeout_s: float = 300.0) -> Place:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "gloo" and world > 1:  # for the roll call after a timeout (see roll_call)
+            global _ROLL
+            _ROLL = dist.new_group(backend="gloo")
     return Place(rank=rank, world=world, local_rank=local_rank, joined=True)
+
+
+_ROLL: Any = None  # a gloo group of every rank that no step uses: it is intact when a collective timed out
+
+
+class RankTimeout(RuntimeError):
+    """A collective timed out; the one-line message names the ranks that did not arrive."""
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether `error` is a collective's timeout (gloo: "Timed out waiting ...", "Application timeout
+    caused pair closure")."""
+    return isinstance(error, RuntimeError) and re.search(r"time[sd]?[ -]?out", str(error), re.I) is not None
+
+
+def roll_call(error: BaseException, timeout_s: float) -> Optional[RankTimeout]:
+    """After a collective timed out (`error`) on this rank: which ranks did not arrive. Every rank that
+    got there meets the others in torch's monitored_barrier on a group no step uses, for at most
+    min(timeout_s, 30) s more (the live ranks time out within a step of each other); rank 0 names the
+    ranks missing from it. None when there is no roll to call (one process, NCCL, another error).
+
+    A rank stopped or hung (alive, never arriving) is named; a dead rank ends the job at once through
+    torchrun's agent, before any timeout."""
+    if _ROLL is None or not timed_out(error) or not dist.is_initialized():
+        return None
+    rank, window = dist.get_rank(), min(float(timeout_s), 30.0)
+    what = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    head = f"rank {rank}: a collective timed out after parallel.timeout_s={timeout_s:g} s ({what})"
+    try:
+        dist.monitored_barrier(_ROLL, timeout=datetime.timedelta(seconds=window), wait_all_ranks=True)
+    except RuntimeError as e:
+        missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
+        if missing:
+            ranks = missing.group(1).strip()
+            many = "," in ranks
+            return RankTimeout(f"{head}: rank{'s' if many else ''} {ranks} did not arrive in a further "
+                               f"{window:g} s ({'they are' if many else 'it is'} stopped or hung, not dead)")
+        return RankTimeout(f"{head}: rank 0, which names the ranks that did not arrive, did not confirm "
+                           f"every rank present in a further {window:g} s (rank 0 is hung, or names the "
+                           "ranks that are)")
+    return RankTimeout(f"{head}: every rank arrived afterwards (none is hung: a slow rank, or ranks in "
+                       "different collectives)")
 
 
 def all_reduce_sum(t: torch.Tensor, place: Place) -> torch.Tensor:
@@ -184,6 +232,8 @@ def barrier(place: Place) -> None:
 def shutdown(place: Place) -> None:
     """Leave the group together: a rank that tears down while another still works (rank 0 writing
     figures and results) can leave the group's teardown waiting forever."""
+    global _ROLL
     if place.joined and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        _ROLL = None

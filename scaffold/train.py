@@ -61,6 +61,7 @@ def _task(cfg) -> float:
 
     from scaffold import worker
     from scaffold.data.store import DatasetCorrupt
+    from scaffold.distributed import RankTimeout
     from scaffold.stats import StatsError
     from scaffold.trainer import Diverged, Interrupted
 
@@ -90,6 +91,10 @@ def _task(cfg) -> float:
         if os.environ.get("SUBMITIT_EXECUTOR"):
             _pass_on_to_submitit(e.signum)
         sys.exit(128 + e.signum)
+    except RankTimeout as e:  # a hung rank: the surviving ranks name it in one line
+        log.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except (ConfigError, CheckpointError, StatsError, DatasetCorrupt, Diverged, OSError) as e:
         if isinstance(e, OSError) and e.errno not in cli.STORAGE_ERRORS:
             raise  # not a full or read-only disk: a bug to see whole

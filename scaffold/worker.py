@@ -131,7 +131,8 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
 
     SIGTERM, SIGUSR1 and SIGINT stop training at a step boundary with the position checkpointed
     (scaffold.trainer.StopRequest), raising scaffold.trainer.Interrupted; the handlers and the run
-    directory's lock are given back when this returns or raises."""
+    directory's lock are given back when this returns or raises. A collective that times out raises
+    distributed.RankTimeout naming the ranks that did not arrive."""
     import signal
 
     stop, held = StopRequest(), []
@@ -139,6 +140,11 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     stop.install()
     try:
         return _run(cfg, Path(run_dir), resume, overrides, stop, held)
+    except RuntimeError as e:  # a collective timed out: name the ranks that never arrived (hung)
+        named = distributed.roll_call(e, cfg.parallel.timeout_s)
+        if named is None:
+            raise
+        raise named from None
     finally:
         for lock in held:
             lock.release()

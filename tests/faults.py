@@ -5,7 +5,9 @@
 `kill=R@N` SIGKILLs rank R when it begins its N-th optimizer step (counted from the first step of the
 first epoch); `raise=R@N` makes it raise instead; `term=R@N`, `int=R@N`, `usr1=R@N` and `hup=R@N` send
 it SIGTERM, SIGINT, SIGUSR1 or SIGHUP there (the step then runs, as it would when the signal lands during
-it); `agent=R@N` makes rank R send SIGTERM to its parent, torchrun's agent, as a scheduler's preemption
+it); `stop=R@N` makes rank R write its pid to `stopped-R.pid` in the working directory and SIGSTOP
+itself (a hung rank: alive, never arriving at the next collective; the test SIGCONTs or kills it after);
+`agent=R@N` makes rank R send SIGTERM to its parent, torchrun's agent, as a scheduler's preemption
 does (torchrun forwards it to every rank and kills them 30 s later). `enospc=N` makes the N-th
 checkpoint write fail with ENOSPC after writing some bytes, as a full disk does; `only=R:KEY=VALUE`
 gives rank R an override the others do not get; `early=term` sends SIGTERM as the dataset loads.
@@ -39,9 +41,12 @@ def _inject(kind: str, rank: int, at: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind in SIGNALS:
                 os.kill(os.getpid(), SIGNALS[kind])
+            elif kind == "stop":  # hung, not dead: the pid is left for the test to clean up
+                Path(f"stopped-{rank}.pid").write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "agent":  # the launcher (torchrun's agent) forwards it to every rank
                 os.kill(os.getppid(), signal.SIGTERM)
-            elif kind not in ("kill", "agent"):
+            elif kind not in ("kill", "agent", "stop"):
                 raise RuntimeError(f"injected failure on rank {rank} at step {at}")
         return real(self, masks)
 
@@ -124,7 +129,7 @@ if __name__ == "__main__":
     args = []
     for arg in sys.argv[1:]:
         key, _, value = arg.partition("=")
-        if key in ("kill", "raise", "agent", *SIGNALS):
+        if key in ("kill", "raise", "agent", "stop", *SIGNALS):
             rank, at = value.split("@")
             _inject(key, int(rank), int(at))
         elif key == "enospc":

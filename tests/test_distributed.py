@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -95,6 +96,48 @@ def test_a_failing_rank_ends_the_job_within_a_bound(fault, cache, tmp_path):
         root = res.stderr.split("Root Cause (first observed failure)")[-1]
         assert re.search(r"rank\s*:\s*1\b", root) and "injected failure on rank 1 at step 5" in root, root
     assert elapsed < 90, elapsed
+
+
+def _kill_stopped_rank(pid_file: Path) -> None:
+    """SIGKILL the rank that stopped itself (its pid in `pid_file`), if it is still there: a stopped
+    process takes no SIGTERM. Only a process running tests/faults.py is killed (never a reused pid)."""
+    if not pid_file.exists():
+        return
+    pid = int(pid_file.read_text())
+    try:
+        if b"faults.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+
+
+def test_a_hung_rank_is_named_and_the_job_ends_within_a_bound(cache, tmp_path):
+    """Rank 1 stops (SIGSTOP) as its 3rd step begins: alive, never arriving. Rank 0's collective times
+    out after parallel.timeout_s; the roll call (monitored_barrier on a group of its own) then names rank 1
+    in rank 0's one-line error, which is also the summary's root cause (it named rank 0 alone, with gloo's
+    message). Rank 0 ends within timeout_s + the roll call's window (5 + 5 s) of the stop; torchrun
+    kills the stopped rank 30 s later (its SIGTERM waits while the process is stopped)."""
+    from datetime import datetime
+
+    pid_file = tmp_path / "stopped-1.pid"
+    t0 = time.monotonic()
+    try:
+        res = torchrun(2, ["stop=1@3", *UNEVEN, "epochs=3", f"data.cache_dir={cache}",
+                           f"hydra.run.dir={tmp_path / 'run'}", "parallel.timeout_s=5"], tmp_path,
+                       entry=(str(REPO / "tests" / "faults.py"),), timeout=150)
+    finally:
+        _kill_stopped_rank(pid_file)
+    elapsed = time.monotonic() - t0
+    assert res.returncode != 0 and pid_file.exists(), res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0: a collective timed out after "
+                                                     "parallel.timeout_s=5 s"), res.stderr[-3000:]
+    assert errors[0].endswith("rank 1 did not arrive in a further 5 s (it is stopped or hung, not dead)")
+    root = res.stderr.split("Root Cause (first observed failure)")[-1]
+    assert re.search(r"rank\s*:\s*0\b", root) and "rank 1 did not arrive" in root, root
+    failed = datetime.fromisoformat(re.search(r"time\s*:\s*(\S+)", root).group(1).replace("_", " ", 1))
+    assert failed.timestamp() - pid_file.stat().st_mtime < 5 + 5 + 5, root  # the survivors' bound
+    assert elapsed < 100, elapsed  # start-up, the bound above, and torchrun's 30 s for the stopped rank
 
 
 def test_run_directory_probe_never_races(tmp_path):
