@@ -1,6 +1,8 @@
 """Validation metrics as device tensors (no host reads: the trainer reads them once per epoch)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from scaffold.loss import SegmentationLoss, check_shapes
@@ -15,8 +17,11 @@ def hard_dice(logits: torch.Tensor, labels: torch.Tensor, n_classes: int, shards
 
 def hard_dice_classes(logits: torch.Tensor, labels: torch.Tensor, n_classes: int, shards=None) -> torch.Tensor:
     """(N, n_classes - 1) float64: each foreground class's Dice of argmax(logits) against the labels
-    (1 where the class is absent from both); `hard_dice` is its mean over the classes."""
+    (1 where the class is absent from both); `hard_dice` is its mean over the classes. A sample whose
+    logits hold a NaN or an infinity scores NaN: argmax picks a class of its own accord there, and a
+    diverged model scored a made-up Dice (0.5 or 0.0, by the classes present)."""
     check_shapes(logits, labels, n_classes)
+    bad = (~torch.isfinite(logits)).flatten(1).sum(1)  # (N,) the sample's non-finite logits
     classes = torch.arange(1, n_classes, device=labels.device).view(1, -1, 1, 1, 1)
     pred = logits.argmax(1).unsqueeze(1) == classes
     target = labels.long().unsqueeze(1) == classes
@@ -26,10 +31,11 @@ def hard_dice_classes(logits: torch.Tensor, labels: torch.Tensor, n_classes: int
     if shards is not None:
         from scaffold.spatial import all_sum
 
-        both = all_sum(torch.stack([inter, total]), shards)
-        inter, total = both[0], both[1]
+        both = all_sum(torch.stack([inter, total, bad.unsqueeze(1).expand_as(inter)]), shards)
+        inter, total, bad = both[0], both[1], both[2][:, 0]
     dice = (2 * inter).double() / total.clamp(min=1).double()
-    return torch.where(total > 0, dice, torch.ones_like(dice))
+    dice = torch.where(total > 0, dice, torch.ones_like(dice))
+    return torch.where(bad.unsqueeze(1) > 0, torch.full_like(dice, math.nan), dice)
 
 
 def per_sample_loss(loss: "SegmentationLoss", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

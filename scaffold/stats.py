@@ -7,7 +7,8 @@ The first ten columns are upstream ScaFFold's, with the same meanings:
   val_loss_epoch         sum over the validation samples of the per-sample loss
   val_loss_avg           val_loss_epoch / validation samples
   train_dice             mean soft foreground Dice of the training steps (sample-weighted)
-  val_dice               mean hard foreground Dice over the validation samples
+  val_dice               mean hard foreground Dice over the validation samples (nan when a sample's
+                         logits are not finite: the run then stops, as for a non-finite loss)
   epoch_duration         wall-clock seconds of the epoch (training + evaluation)
   optimizer_steps        optimizer steps this epoch
   total_optimizer_steps  optimizer steps since the run began

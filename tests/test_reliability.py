@@ -466,6 +466,42 @@ def test_divergence_in_the_first_epoch_names_no_missing_checkpoint(cache, tmp_pa
     assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
 
 
+def test_a_nan_epoch_reports_no_made_up_dice_and_is_never_best(cache, tmp_path, monkeypatch):
+    """A parameter turned NaN after epoch 1 (a real divergence, not a patched loss): epoch 2's logits
+    are NaN, and argmax over them picked a class of its own accord, so the row said a made-up val_dice
+    (0.0 here, 0.5 with other classes). Now the row says nan, is not best, and the run stops as a non-finite loss does (exit 3 on the command line:
+    no result.json), keeping epoch 1's checkpoints."""
+    from scaffold.metrics import hard_dice
+    from scaffold.trainer import Diverged, Trainer
+
+    real, calls = Trainer.step, {"n": 0}
+
+    def step(self, masks):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the first step of epoch 2 (3 steps an epoch; warm-up runs on a copy)
+            with torch.no_grad():
+                next(self.model.parameters()).fill_(float("nan"))
+        return real(self, masks)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    run = tmp_path / "run"
+    with pytest.raises(Diverged, match="non-finite loss at epoch 2"):
+        worker.run(tiny_cfg(cache), run)
+    rows = read_rows(run / "train_stats.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert 0 <= float(rows[0]["val_dice"]) <= 1 and rows[0]["is_best"] == "1"
+    assert rows[1]["val_dice"] == "nan" and rows[1]["val_loss_avg"] == "nan" and rows[1]["is_best"] == "0"
+    assert not (run / "result.json").exists()
+    assert checkpoint.load_one(run / "checkpoints" / "best.pt")["epoch"] == 1
+    # The metric itself: a sample with a non-finite logit scores nan, the others as before.
+    logits = torch.randn(2, 3, 4, 4, 4)
+    labels = torch.randint(0, 3, (2, 4, 4, 4), dtype=torch.uint8)
+    before = hard_dice(logits, labels, 3)
+    logits[1, 2, 0, 0, 0] = float("inf")
+    after = hard_dice(logits, labels, 3)
+    assert after[0] == before[0] and torch.isnan(after[1])
+
+
 # ------------------------------------------------------------------------------------ 4. datasets
 def _dataset_copy(cache, tmp_path):
     """A private copy of the tiny dataset cache (the shared one stays intact), and its one file."""
