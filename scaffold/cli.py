@@ -450,10 +450,14 @@ CONFIG_SELECTORS = ("--config-name", "-cn", "--config-path", "-cp")
 
 
 def _probe_writable(folder: Path) -> Optional[str]:
-    """Why a file cannot be created in `folder` (None when one can). Creating one is the only honest
-    test: os.access says yes to root on a read-only filesystem or in /proc."""
+    """Why a file cannot be created and written in `folder` (None when one can). Doing it is the only
+    honest test: os.access says yes to root on a read-only filesystem or in /proc, and a full
+    filesystem still creates files (0 bytes) but fails the first byte written."""
     try:
-        with tempfile.TemporaryFile(dir=folder, prefix=".write-probe-"):
+        with tempfile.TemporaryFile(dir=folder, prefix=".write-probe-") as probe:
+            probe.write(b"\0")
+            probe.flush()
+            os.fsync(probe.fileno())
             return None
     except OSError as e:
         return e.strerror or str(e)

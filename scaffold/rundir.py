@@ -99,7 +99,9 @@ def is_fixed(pattern: str) -> bool:
 class RunLock:
     """An exclusive lock on a run directory, held until `release` or the process's end."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, remove_on_failure: bool = False):
+        """`remove_on_failure`: the lock file is new (this process creates it); when the pid cannot be
+        written into it (a full disk), it is removed, so no 0-byte lock file is left."""
         import fcntl
 
         self.path = Path(run_dir) / LOCK_FILE
@@ -125,8 +127,14 @@ class RunLock:
             os.close(self.fd)
         else:
             raise RunDirBusy(f"run directory {run_dir}: its lock file keeps being replaced")
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        except OSError:  # a full disk: a lock file created here goes (removed while still held)
+            if remove_on_failure:
+                self.path.unlink(missing_ok=True)
+            self.release()
+            raise
 
     def release(self) -> None:
         if self.fd is not None:
@@ -212,7 +220,7 @@ def own(run_dir: Path, made: Iterable[Path] = (), ours: Iterable[str] = ()) -> C
     made = [Path(m).absolute() for m in made] + _makedirs(run_dir)
     had_lock = (run_dir / LOCK_FILE).exists()
     try:
-        lock = RunLock(run_dir)
+        lock = RunLock(run_dir, remove_on_failure=not had_lock)
     except BaseException:
         for folder in reversed(made):  # created here and still empty
             try:

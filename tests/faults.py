@@ -118,6 +118,64 @@ builtins.open = io.open = _open
     return folder
 
 
+def full_disk_site(folder: Path, root: Path) -> Path:
+    """Write a sitecustomize.py into `folder` that makes everything under `root` look like a full
+    filesystem to the process (a full tmpfs, a disk out of blocks): files and folders are created, but
+    no byte can be written to them (ENOSPC), so a careless writer leaves 0-byte files. Returns `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(f"""
+import builtins, errno, io, os
+_ROOT = {str(Path(root).resolve())!r}
+_FULL = set()  # descriptors opened for writing under _ROOT
+
+def _under(path):
+    try:
+        return os.path.realpath(os.fsdecode(path)).startswith(_ROOT)
+    except TypeError:
+        return False
+
+def _enospc(*a):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+_real_open, _real_close, _real_write, _real_pwrite = os.open, os.close, os.write, os.pwrite
+def _open(path, flags, mode=0o777, *, dir_fd=None):
+    fd = _real_open(path, flags, mode, dir_fd=dir_fd)
+    if flags & (os.O_WRONLY | os.O_RDWR) and dir_fd is None and _under(path):
+        _FULL.add(fd)
+    else:
+        _FULL.discard(fd)
+    return fd
+def _close(fd):
+    _FULL.discard(fd)
+    return _real_close(fd)
+os.open, os.close = _open, _close
+os.write = lambda fd, data: _enospc() if fd in _FULL and len(data) else _real_write(fd, data)
+os.pwrite = lambda fd, data, off: _enospc() if fd in _FULL and len(data) else _real_pwrite(fd, data, off)
+
+class _FullFileIO(io.FileIO):
+    def write(self, b):
+        if len(memoryview(b)):
+            _enospc()
+        return 0
+
+_real_io_open = io.open
+def _io_open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None, closefd=True,
+             opener=None):
+    full = (file in _FULL) if isinstance(file, int) else (
+        isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+") and _under(file))
+    if not full:
+        return _real_io_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+    raw_mode = mode.replace("t", "").replace("b", "")
+    raw = _FullFileIO(file, raw_mode, closefd, opener=opener or (lambda p, f: _open(p, f, 0o666)))
+    buffered = (io.BufferedRandom if "+" in mode else io.BufferedWriter)(raw)
+    if "b" in mode:
+        return buffered
+    return io.TextIOWrapper(buffered, encoding or "utf-8", errors, newline)
+builtins.open = io.open = _io_open
+""")
+    return folder
+
+
 def flip_byte(path: Path, offset: int) -> None:
     """Flip every bit of one byte of a file in place (offset < 0 counts from the end)."""
     data = bytearray(Path(path).read_bytes())

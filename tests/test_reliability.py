@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from faults import flip_byte, read_only_site
+from faults import flip_byte, full_disk_site, read_only_site
 from helpers import REPO, TINY, cli, params, same_params, stable_rows, tiny_cfg
 from scaffold import checkpoint, cli as scli, rundir, worker
 from scaffold.config import ConfigError
@@ -396,6 +396,44 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(baseline, cache, t
     assert res.returncode == 0, res.stderr[-3000:]
     assert stable_rows(run / "train_stats.csv") == stable_rows(baseline / "train_stats.csv")
     assert same_params(params(run), params(baseline))
+
+
+@pytest.mark.parametrize("where", ["fixed", "interpolated", "default"])
+def test_a_full_disk_at_the_run_directory_s_creation_is_one_line_and_leaves_nothing(cache, tmp_path, where):
+    """The run directory's filesystem is full (files are created, no byte is written: a full tmpfs). A
+    fixed hydra.run.dir left a 0-byte lock file in a new folder; a directory Hydra made itself left a
+    Hydra traceback and 0-byte .hydra/config.yaml and train.log. Now the output folder's probe writes a
+    byte before anything is created: one line, exit 2, nothing left."""
+    full = tmp_path / "full"
+    full.mkdir()
+    site = full_disk_site(tmp_path / "site", full)
+    run_dir = {"fixed": [f"hydra.run.dir={full / 'run'}"], "interpolated": [f"hydra.run.dir={full}/run-${{seed}}"],
+               "default": []}[where]
+    res = cli(*args(cache, "epochs=1"), *run_dir, cwd=full if where == "default" else tmp_path,
+              env={"PYTHONPATH": f"{site}:{REPO}"})
+    assert res.returncode == 2, res.stderr[-3000:]
+    one_error_line(res, "cannot create the run directory", f"{full} is not a writable folder: No space left "
+                   "on device")
+    assert list(full.rglob("*")) == []
+
+
+def test_a_lock_that_cannot_be_written_leaves_no_lock_file(tmp_path, monkeypatch):
+    """The disk fills between the probe and the lock: the pid cannot be written into the new lock file.
+    The lock file and the folders made for it go; a lock file that was there before stays."""
+    import errno
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(rundir.os, "pwrite", full)
+    with pytest.raises(OSError, match="No space left"):
+        rundir.own(tmp_path / "a" / "run")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / rundir.LOCK_FILE).write_text("")
+    with pytest.raises(OSError, match="No space left"):
+        rundir.own(tmp_path / "b")
+    assert [p.name for p in (tmp_path / "b").iterdir()] == [rundir.LOCK_FILE]
 
 
 def test_resume_on_a_read_only_filesystem_is_one_line(baseline, tmp_path):
