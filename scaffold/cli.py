@@ -441,6 +441,60 @@ def with_overrides(argv: list[str], extra: list[str]) -> list[str]:
     return argv[:at] + extra + argv[at:]
 
 
+def ranks_from_slurm(env: Optional[dict] = None) -> Optional[str]:
+    """Plain `srun python -m scaffold.train` (no torchrun): Slurm's task variables as the process group's,
+    so that the srun step's N tasks form one job of N ranks instead of N separate runs. Returns a line
+    saying so, or None where there is nothing to do (torchrun's RANK and WORLD_SIZE already set, or not
+    a step of several tasks). Sets RANK, WORLD_SIZE and LOCAL_RANK from SLURM_PROCID,
+    SLURM_STEP_NUM_TASKS and SLURM_LOCALID; MASTER_ADDR, unless set, from SLURM_LAUNCH_NODE_IPADDR (the
+    host srun ran on: in a batch script, the allocation's first node, where task 0 runs), checked by
+    rank 0, which hosts the rendezvous, to be one of its own addresses; MASTER_PORT, unless set, from the
+    job and step ids.
+
+    SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: srun sets it for the tasks of a step, while a batch script
+    (or salloc's shell) that asked for --ntasks=N has SLURM_NTASKS=N in its own environment too, and a
+    single `python -m scaffold.train` there must stay one process."""
+    import socket
+
+    global FROM_SLURM
+    env = os.environ if env is None else env
+    if "RANK" in env or "WORLD_SIZE" in env:  # torchrun's (or the user's): they win
+        return None
+    tasks, rank = env.get("SLURM_STEP_NUM_TASKS", ""), env.get("SLURM_PROCID", "")
+    if not (tasks.isdigit() and rank.isdigit()) or int(tasks) <= 1:
+        return None
+    addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
+    if not addr:
+        raise ConfigError(f"srun started {tasks} tasks without torchrun and nothing says where rank 0 is "
+                          "(no MASTER_ADDR, no SLURM_LAUNCH_NODE_IPADDR): set MASTER_ADDR to rank 0's host, "
+                          "or launch `srun torchrun ... -m scaffold.train`")
+    if "MASTER_ADDR" not in env and rank == "0":
+        try:  # rank 0 hosts the rendezvous: srun run from another host (a login node) cannot be it
+            with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as probe:
+                probe.bind((addr, 0))
+        except OSError:
+            raise ConfigError(f"srun started {tasks} tasks without torchrun from another host than rank "
+                              f"0's (SLURM_LAUNCH_NODE_IPADDR={addr} is not this node's): set MASTER_ADDR to "
+                              "rank 0's host, or launch `srun torchrun ... -m scaffold.train`") from None
+    port = env.get("MASTER_PORT") or str(slurm_port(env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")))
+    env.update(RANK=rank, WORLD_SIZE=tasks, LOCAL_RANK=env.get("SLURM_LOCALID", "0"), MASTER_ADDR=addr,
+               MASTER_PORT=port)
+    FROM_SLURM = (f"srun without torchrun: rank {rank} of {tasks} (SLURM_PROCID of SLURM_STEP_NUM_TASKS), "
+                  f"rendezvous at {addr}:{port}")
+    return FROM_SLURM
+
+
+FROM_SLURM: Optional[str] = None  # what ranks_from_slurm derived, for the run's log
+
+
+def slurm_port(job: str, step: str) -> int:
+    """The rendezvous port of a job step launched by plain srun: a function of the job and step ids (every
+    task computes the same), in 10000-29999, below Linux's ephemeral ports."""
+    job_id = int(job) if job.isdigit() else 0
+    step_id = int(step) if step.isdigit() else 0
+    return 10000 + (job_id * 8 + step_id) % 20000
+
+
 # Errors of the storage rather than of the program: a full disk or quota, a read-only filesystem, a
 # failing device. They end a run with one line (what was being written, and why), not a traceback.
 STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}

@@ -1,7 +1,7 @@
 """One process's place in a job: rank, world size, device, and reductions of device tensors.
 
-Under torchrun (or Slurm with the usual RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR variables) the process group
-is initialised from the environment: NCCL on CUDA, gloo on the CPU. A single process needs none of it.
+Under torchrun (or plain srun, whose task variables scaffold.cli.ranks_from_slurm turns into torchrun's
+RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT) the process group is initialised from the environment: NCCL on CUDA, gloo on the CPU. A single process needs none of it.
 Reductions take and return device tensors and never read them back to the host.
 
 Failure is bounded: every collective waits at most `timeout_s` for the other ranks (the process group's
@@ -46,7 +46,7 @@ def init(device_kind: str, timeout_s: float = 300.0) -> Place:
     if not dist.is_initialized():
         backend = "nccl" if device_kind == "cuda" else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(cuda_index(local_rank))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         if backend == "gloo" and world > 1:  # for the roll call after a timeout (see roll_call)
             global _ROLL
@@ -94,6 +94,12 @@ def roll_call(error: BaseException, timeout_s: float) -> Optional[RankTimeout]:
                            "ranks that are)")
     return RankTimeout(f"{head}: every rank arrived afterwards (none is hung: a slow rank, or ranks in "
                        "different collectives)")
+
+
+def cuda_index(local_rank: int) -> int:
+    """The GPU a rank uses: its local rank among the node's GPUs (torchrun shows every rank all of them),
+    or the one GPU a task sees (srun --gpus-per-task=1 binds each task its own)."""
+    return 0 if torch.cuda.device_count() == 1 else local_rank
 
 
 def all_reduce_sum(t: torch.Tensor, place: Place) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 
 from scaffold import config as schema
 from scaffold.config import ConfigError, expect
-from scaffold.distributed import Place
+from scaffold.distributed import Place, cuda_index
 from scaffold.model.memory import GiB, HEADROOM, TOLERANCE, DeviceMemory, Estimate, StepShape, device_memory, \
     estimate
 from scaffold.step import amp_dtype, optimizer_kind, wants_graph
@@ -293,7 +293,7 @@ def pick_device(name: str, place: Place) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError(f"device={name!r}: no CUDA device is available here (use device=cpu)")
         if name == "cuda":
-            return torch.device("cuda", place.local_rank)
+            return torch.device("cuda", cuda_index(place.local_rank))
     return torch.device(name)
 
 

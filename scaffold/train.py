@@ -66,6 +66,8 @@ def _task(cfg) -> float:
     from scaffold.trainer import Diverged, Interrupted
 
     hc = HydraConfig.get()
+    if cli.FROM_SLURM:
+        log.info("%s", cli.FROM_SLURM)
     overrides = [o for o in hc.overrides.task if not o.startswith("resume=")]
     run_dir = Path(hc.runtime.output_dir)
     try:
@@ -184,6 +186,7 @@ def _one_line_warnings() -> None:
 def main() -> None:
     _one_line_warnings()
     try:
+        cli.ranks_from_slurm()  # plain srun: its tasks are one job's ranks (before anything reads RANK)
         sys.argv = [sys.argv[0]] + cli.preflight(sys.argv[1:], claim=True, hydra_checks=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -316,3 +316,72 @@ def test_a_sweep_under_torchrun_is_one_line_and_leaves_nothing(cache, tmp_path):
                "or sweep with hydra/launcher=slurm")
     assert res.stderr.count(message) == 3, res.stderr[-3000:]
     assert list(tmp_path.iterdir()) == []
+
+
+SLURM_STEP = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
+              "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1"}
+
+
+def test_plain_srun_tasks_form_one_job(cache, tmp_path):
+    """`srun --ntasks=2 python -m scaffold.train` without torchrun (Slurm's task variables faked, every
+    launch bounded): the two tasks are one job of two ranks, not two runs of one (they were: the second
+    found the run directory taken)."""
+    import socket
+
+    with socket.socket() as s:  # a free port: other launches may run on this machine at the same time
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+    base.update(SLURM_STEP, MASTER_PORT=port, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    args = [*TINY, "data.n_instances=12", "epochs=1", f"data.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "scaffold.train", *args], cwd=tmp_path, text=True,
+                              env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["world_size"] == 2
+    # 8 volumes: 6 train split over 2 ranks = 3 optimizer steps (one process would take 6).
+    assert [int(r["optimizer_steps"]) for r in read_rows(tmp_path / "run" / "train_stats.csv")] == [3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 created nothing of its own
+
+
+def test_slurm_variables_become_torchrun_s_only_for_an_srun_step_of_several_tasks(monkeypatch):
+    from scaffold import cli
+    from scaffold.cli import ranks_from_slurm, slurm_port
+
+    monkeypatch.setattr(cli, "FROM_SLURM", None)  # set below, given back after the test
+    from scaffold.config import ConfigError
+
+    # A batch script (or salloc's shell) asked for 4 tasks: SLURM_NTASKS=4, but no step: one process.
+    batch = {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"}
+    assert ranks_from_slurm(batch) is None and "RANK" not in batch
+    # torchrun under srun: its variables win.
+    under_torchrun = {**SLURM_STEP, "SLURM_PROCID": "1", "RANK": "5", "WORLD_SIZE": "8"}
+    assert ranks_from_slurm(under_torchrun) is None and under_torchrun["RANK"] == "5"
+    one_task = {**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}
+    assert ranks_from_slurm(one_task) is None and "RANK" not in one_task
+    # A task of an srun step: rank, world, local rank, the launch host, a port of the job step's own.
+    task = {**SLURM_STEP, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
+    assert "rank 1 of 2" in ranks_from_slurm(task)
+    assert (task["RANK"], task["WORLD_SIZE"], task["LOCAL_RANK"], task["MASTER_ADDR"]) == ("1", "2", "1", "127.0.0.1")
+    assert task["MASTER_PORT"] == str(slurm_port("4242", "0"))
+    assert 10000 <= slurm_port("4242", "0") < 30000 and slurm_port("4242", "1") != slurm_port("4242", "0")
+    # srun run from another host than rank 0's (a login node): rank 0 refuses in one line.
+    elsewhere = {**SLURM_STEP, "SLURM_PROCID": "0", "SLURM_LAUNCH_NODE_IPADDR": "192.0.2.1"}
+    with pytest.raises(ConfigError, match=r"^srun started 2 tasks without torchrun from another host .*"
+                                          r"set MASTER_ADDR to rank 0's host, or launch `srun torchrun"):
+        ranks_from_slurm(elsewhere)
+    # MASTER_ADDR and MASTER_PORT given: used as they are.
+    given = {**elsewhere, "MASTER_ADDR": "node1", "MASTER_PORT": "12345"}
+    ranks_from_slurm(given)
+    assert (given["MASTER_ADDR"], given["MASTER_PORT"], given["RANK"]) == ("node1", "12345", "0")
+    nowhere = {k: v for k, v in elsewhere.items() if k != "SLURM_LAUNCH_NODE_IPADDR"}
+    with pytest.raises(ConfigError, match="nothing says where rank 0 is"):
+        ranks_from_slurm(nowhere)
