@@ -199,7 +199,8 @@ class Config:
     profile: bool = False
     """Write a torch profiler trace of a few steps of the first epoch to the run directory."""
     progress: bool = True
-    """Show a progress bar per epoch (plain lines when not on a terminal)."""
+    """Show a progress bar per epoch, and while the dataset is generated (plain lines when not on a
+    terminal)."""
     logger: str = "none"
     """Experiment tracker fed the CSV's epoch rows and the figures: none | tensorboard (event files in
     <run_dir>/tensorboard/; needs `pip install 'scaffold-unet[tensorboard]'`). See scaffold/tracking.py,

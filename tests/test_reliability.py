@@ -384,6 +384,41 @@ def test_a_signal_without_checkpoints_saves_nothing_and_says_so(cache, tmp_path,
     assert not ckpts.exists() or not any(ckpts.iterdir())
 
 
+@pytest.mark.parametrize("command", ["scaffold.data", "scaffold.train"])
+def test_ctrl_c_during_dataset_generation_is_one_line_and_leaves_nothing(tmp_path, command):
+    """Ctrl-C (SIGINT to the whole process group) once the generation's workers are rendering (its first
+    progress line): the workers printed a KeyboardInterrupt traceback each (and the pool one of its own)
+    while the parent waited for the rest of the work. Now the workers leave the signal to the parent,
+    which stops them: one line beside the progress line, exit 130, no file in the cache, no run
+    directory."""
+    cache = tmp_path / "cache"
+    argv = ["scale=5", "data.n_instances=100", "data.workers=2", f"data.cache_dir={cache}", "progress=true"]
+    if command == "scaffold.train":
+        argv += [*TINY[1:4], "epochs=1", "progress=true", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen([sys.executable, "-m", command, *argv], cwd=tmp_path, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)  # its own process group
+    try:
+        seen = []
+        for line in proc.stderr:  # the workers are rendering once the first quarter is done
+            seen.append(line)
+            if line.startswith("fractal volumes: "):
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = "".join(seen) + rest
+    assert seen and seen[-1].startswith("fractal volumes: "), err[-3000:]
+    assert proc.returncode == 130, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) <= 2 and lines[-1].startswith("interrupted by SIGINT"), err[-3000:]
+    assert list(cache.iterdir()) == []  # neither the dataset nor its temporary file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no run directory either
+
+
 # ------------------------------------------------------------------------------- full, read-only disks
 def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(baseline, cache, tmp_path):
     run = tmp_path / "run"

@@ -61,15 +61,35 @@ def describe(path: pathlib.Path) -> str:
     ])
 
 
+class Stopped(BaseException):
+    """A stop signal (Ctrl-C, a closed terminal, a scheduler's SIGTERM) while the dataset is made."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame=None) -> None:
+    raise Stopped(signum)
+
+
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base=None)
 def main(cfg) -> None:
+    import signal
+
     from .store import DatasetCorrupt, load
 
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _stop)  # one line instead of a traceback (the workers leave them to us)
     try:
         path = load(cfg.data, cfg.scale, cfg.seed, progress=cfg.progress)[0]  # verified, or repaired
     except (ConfigError, DatasetCorrupt) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Stopped as stop:
+        print(f"interrupted by {signal.Signals(stop.signum).name}; no half-written dataset is left (a dataset "
+              "is written under a temporary name and renamed once complete)", file=sys.stderr)
+        sys.exit(128 + stop.signum)
     print(describe(path))
 
 

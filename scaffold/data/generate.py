@@ -5,16 +5,23 @@ Workers are started with 'spawn' (safe next to threads and CUDA, same on every p
 plan once through the pool initializer. Each task renders a block of consecutive volumes (under the
 upstream sampler their instances' chains advance side by side, see volumes.py) and deflates each into
 the exact bytes of an HDF5 gzip chunk (a zlib stream), so compression runs in parallel and the parent
-only writes; `executor.map` hands results back in submission order, and a volume's bytes do not depend
-on its block, so the file is the same for any worker count.
+only writes; `imap` hands results back in submission order, and a volume's bytes do not depend on its
+block, so the file is the same for any worker count.
+
+The workers leave the stop signals to the caller: Ctrl-C reaches the whole process group, and each
+worker used to print its own KeyboardInterrupt traceback (mid-import, mid-render) while the caller waited
+for the rest of the work. They start with SIGINT, SIGHUP and SIGUSR1 blocked and then ignore them, and
+when the caller stops early (its own signal handler, an error) they are terminated at once.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import sys
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -61,9 +68,46 @@ def render_block(plan: Plan, indices: list[int]) -> list[RenderedVolume]:
     return out
 
 
+# Signals a worker leaves to its parent: those a terminal or a scheduler sends to every process of a job
+# (SIGTERM stays: it is how the parent ends the workers, Pool.terminate).
+WORKER_IGNORES = tuple(getattr(signal, n) for n in ("SIGINT", "SIGHUP", "SIGUSR1") if hasattr(signal, n))
+
+
 def _init_worker(plan: Plan) -> None:
     global _plan
+    for s in WORKER_IGNORES:
+        signal.signal(s, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked since the spawn (see _pool); pending ones are dropped
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_IGNORES)
     _plan = plan
+
+
+@contextlib.contextmanager
+def _pool(plan: Plan, workers: int) -> Iterator:
+    """`workers` spawned processes that leave the stop signals to this one (see the module's docstring):
+    spawned with those signals blocked (a child inherits the mask, so a Ctrl-C while it imports is held
+    until it ignores them), closed when the work is done, terminated when the caller stops early."""
+    pool = None
+    try:
+        mask = hasattr(signal, "pthread_sigmask")
+        if mask:  # started first: starting it unblocks SIGINT in this thread (as it must for itself)
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORES) if mask else None
+        try:
+            pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(plan,))
+        finally:
+            if mask:  # a signal that came meanwhile is delivered here, to this process alone
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        yield pool
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        raise
+    pool.close()
+    pool.join()
 
 
 def render_compressed(plan: Plan, index: int) -> RenderedVolume:
@@ -89,10 +133,22 @@ def resolve_workers(requested: int, n_volumes: int) -> int:
 
 
 def iter_volumes(plan: Plan, workers: int, progress: bool = True) -> Iterator[RenderedVolume]:
-    """Every volume of the plan, compressed, in index order."""
+    """Every volume of the plan, compressed, in index order. With `progress`: a bar on a terminal, a line
+    at each quarter otherwise (a job's log)."""
     n = len(plan.volumes)
     bar = tqdm(total=n, desc="fractal volumes", unit="vol", disable=None if progress else True,
                leave=False, dynamic_ncols=True)
+    plain = progress and not sys.stderr.isatty()
+    marks = {(n * q + 3) // 4 for q in (1, 2, 3)} - {0, n}
+    done = 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        bar.update()
+        if plain and done in marks:
+            print(f"fractal volumes: {done}/{n}", file=sys.stderr, flush=True)
+
     try:
         if plan.sampler == "upstream":
             # Blocks of volumes: enough per block that the chains advance side by side, enough blocks
@@ -104,27 +160,23 @@ def iter_volumes(plan: Plan, workers: int, progress: bool = True) -> Iterator[Re
                 for block in results:
                     for result in block:
                         yield result
-                        bar.update()
+                        advance()
                 return
-            context = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(max_workers=workers, mp_context=context,
-                                     initializer=_init_worker, initargs=(plan,)) as pool:
-                for block in pool.map(_render_block, blocks):
+            with _pool(plan, workers) as pool:
+                for block in pool.imap(_render_block, blocks):
                     for result in block:
                         yield result
-                        bar.update()
+                        advance()
             return
         if workers <= 1:
             for index in range(n):
                 yield render_compressed(plan, index)
-                bar.update()
+                advance()
             return
-        context = multiprocessing.get_context("spawn")
         chunk = max(1, n // (workers * 8))
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context,
-                                 initializer=_init_worker, initargs=(plan,)) as pool:
-            for result in pool.map(_render, range(n), chunksize=chunk):
+        with _pool(plan, workers) as pool:
+            for result in pool.imap(_render, range(n), chunksize=chunk):
                 yield result
-                bar.update()
+                advance()
     finally:
         bar.close()
