@@ -63,8 +63,10 @@ class RankTimeout(RuntimeError):
 
 def timed_out(error: BaseException) -> bool:
     """Whether `error` is a collective's timeout (gloo: "Timed out waiting ...", "Application timeout
-    caused pair closure")."""
-    return isinstance(error, RuntimeError) and re.search(r"time[sd]?[ -]?out", str(error), re.I) is not None
+    caused pair closure"): torch's own errors only (a plain RuntimeError or a DistError), never one of
+    ours that mentions a timeout."""
+    torch_error = isinstance(error, dist.DistError) or type(error) is RuntimeError
+    return torch_error and re.search(r"time[sd]?[ -]?out", str(error), re.I) is not None
 
 
 def roll_call(error: BaseException, timeout_s: float) -> Optional[RankTimeout]:

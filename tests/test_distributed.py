@@ -140,6 +140,22 @@ def test_a_hung_rank_is_named_and_the_job_ends_within_a_bound(cache, tmp_path):
     assert elapsed < 100, elapsed  # start-up, the bound above, and torchrun's 30 s for the stopped rank
 
 
+def test_only_torch_s_timeouts_call_the_roll():
+    """The roll call follows a collective's timeout (gloo's messages, torch's DistError), never one of
+    our errors that mentions a timeout (a config error about parallel.timeout_s, an interruption)."""
+    import torch.distributed as dist
+
+    from scaffold.config import ConfigError
+    from scaffold.distributed import timed_out
+    from scaffold.trainer import Interrupted
+
+    assert timed_out(RuntimeError("Application timeout caused pair closure"))
+    assert timed_out(dist.DistBackendError("[gloo] Timed out waiting 5000ms for recv operation to complete"))
+    assert not timed_out(RuntimeError("Connection closed by peer"))
+    assert not timed_out(ConfigError("parallel.timeout_s=-1: expected a finite number of seconds > 0"))
+    assert not timed_out(Interrupted(15, "interrupted by SIGTERM: a timeout"))
+
+
 def test_run_directory_probe_never_races(tmp_path):
     """Ranks (here threads) probing one run directory at once all succeed: each probe has its own name.
     (With one shared probe name, one prober deleted another's file and the launch failed.)"""
