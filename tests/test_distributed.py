@@ -115,7 +115,7 @@ def test_a_hung_rank_is_named_and_the_job_ends_within_a_bound(cache, tmp_path):
     """Rank 1 stops (SIGSTOP) as its 3rd step begins: alive, never arriving. Rank 0's collective times
     out after parallel.timeout_s; the roll call (monitored_barrier on a group of its own) then names rank 1
     in rank 0's one-line error, which is also the summary's root cause (it named rank 0 alone, with gloo's
-    message). Rank 0 ends within timeout_s + the roll call's window (5 + 5 s) of the stop; torchrun
+    message). Rank 0 ends within timeout_s + the roll call's window (5 + 5 s, and its step) of the stop; torchrun
     kills the stopped rank 30 s later (its SIGTERM waits while the process is stopped)."""
     from datetime import datetime
 
@@ -136,7 +136,9 @@ def test_a_hung_rank_is_named_and_the_job_ends_within_a_bound(cache, tmp_path):
     root = res.stderr.split("Root Cause (first observed failure)")[-1]
     assert re.search(r"rank\s*:\s*0\b", root) and "rank 1 did not arrive" in root, root
     failed = datetime.fromisoformat(re.search(r"time\s*:\s*(\S+)", root).group(1).replace("_", " ", 1))
-    assert failed.timestamp() - pid_file.stat().st_mtime < 5 + 5 + 5, root  # the survivors' bound
+    # The survivors' bound: rank 0's step, the 5 s timeout, its figures, the 5 s roll call (slack for a
+    # busy machine).
+    assert failed.timestamp() - pid_file.stat().st_mtime < 5 + 5 + 10, root
     assert elapsed < 100, elapsed  # start-up, the bound above, and torchrun's 30 s for the stopped rank
 
 
