@@ -10,8 +10,8 @@ block, so the file is the same for any worker count.
 
 The workers leave the stop signals to the caller: Ctrl-C reaches the whole process group, and each
 worker used to print its own KeyboardInterrupt traceback (mid-import, mid-render) while the caller waited
-for the rest of the work. They start with SIGINT, SIGHUP and SIGUSR1 blocked and then ignore them, and
-when the caller stops early (its own signal handler, an error) they are terminated at once.
+for the rest of the work. They start with SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 blocked and then ignore
+them, and when the caller stops early (its own signal handler, an error) they are terminated at once.
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def render_block(plan: Plan, indices: list[int]) -> list[RenderedVolume]:
 
 # Signals a worker leaves to its parent: those a terminal or a scheduler sends to every process of a job
 # (SIGTERM stays: it is how the parent ends the workers, Pool.terminate).
-WORKER_IGNORES = tuple(getattr(signal, n) for n in ("SIGINT", "SIGHUP", "SIGUSR1") if hasattr(signal, n))
+WORKER_IGNORES = tuple(getattr(signal, n) for n in ("SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                       if hasattr(signal, n))
 
 
 def _init_worker(plan: Plan) -> None:
