@@ -64,9 +64,17 @@ def amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
 OPTIMIZERS = ("scaffold", "torch-fused", "torch")  # scaffold.kernels.adam | torch's fused | torch's foreach
 
 
-def optimizer_kind(device: torch.device) -> tuple[str, str]:
+def optimizer_kind(device: torch.device, sharded: bool = False) -> tuple[str, str]:
     """(the optimizer's implementation, why), one of OPTIMIZERS: ours on CUDA where Triton compiles (not
-    its interpreter), torch's fused and capturable Adam on CUDA otherwise, torch's default on the CPU."""
+    its interpreter), torch's fused and capturable Adam on CUDA otherwise, torch's default on the CPU.
+    `sharded` (FSDP: each parameter a DTensor holding this rank's shard): torch's Adam, which runs on
+    DTensors (ours reads raw addresses, and its clip would need the norm's all-reduce between its
+    launches)."""
+    if sharded:
+        if device.type == "cuda":
+            return "torch-fused", ("torch's fused Adam over the parameter shards (FSDP: DTensors, which ours "
+                                   "cannot take; the clip's norm all-reduced by DTensor)")
+        return "torch", "torch's Adam over the parameter shards, one tensor at a time: on the CPU (FSDP)"
     if device.type != "cuda":
         return "torch", "torch's Adam (foreach): on the CPU"
     from scaffold.kernels.lib.device import interpreting, triton_importable

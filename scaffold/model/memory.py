@@ -78,6 +78,8 @@ class StepShape:
     # while its edge has at least one plane per shard; deeper levels run whole on every shard)
     fuse_head: bool = True  # the model fuses its last GroupNorm with the head (UNet3d.fuse_head)
     head_on_vendor: bool = False  # the 1x1x1 head forced to vendor (ladder.conv=vendor): not fused
+    fsdp_world: int = 1  # parameters, gradients and Adam state sharded over this many ranks (FSDP2,
+    # parallel.fsdp); 1: replicated. Each U-Net block (and the root) is a unit, whole while it runs.
 
     @property
     def working(self) -> bool:
@@ -88,8 +90,8 @@ class StepShape:
     @property
     def rooms(self) -> bool:
         """Whether each skip is written with room for its concat's other half (UNet3d._skip_rooms): our
-        rungs, no recompute, volumes not split."""
-        return self.fused and self.recompute == "off" and self.depth_shards == 1
+        rungs, no recompute, volumes not split, parameters not sharded."""
+        return self.fused and self.recompute == "off" and self.depth_shards == 1 and self.fsdp_world == 1
 
     @property
     def head_to_block(self) -> bool:
@@ -151,6 +153,32 @@ def param_count(scale: int, bottleneck: int = 3, base_width: int = 64, in_channe
     return n + base_width * n_classes + n_classes
 
 
+def fsdp_units(scale: int, bottleneck: int = 3, base_width: int = 64, in_channels: int = 3,
+               n_classes: int = 6) -> list[int]:
+    """Parameters of each FSDP unit in the order the forward runs them: the stem, the Down blocks, the
+    Up blocks (deepest first), then the root's own (the 1x1x1 head). They sum to `param_count`."""
+    widths = [base_width * 2**i for i in range(scale - bottleneck + 1)]
+    downs = [_double_conv_params(lo, hi) for lo, hi in zip(widths, widths[1:])]
+    ups = [hi * lo * 8 + lo + _double_conv_params(hi, lo) for lo, hi in zip(widths, widths[1:])]
+    return [_double_conv_params(in_channels, base_width), *downs, *reversed(ups),
+            base_width * n_classes + n_classes]
+
+
+def fsdp_gathered(units: list[int], backward: bool = True) -> int:
+    """Bytes of unsharded (all-gathered, fp32) units alive at once, at the worst unit: in the forward
+    the running unit and the next one, whose all-gather is issued ahead; in the backward the running
+    unit's parameters and its unsharded gradients, the unit before it prefetched, and the unit after
+    it, whose gradients may still be in their reduce-scatter. The root's (the head) stay whole
+    throughout."""
+    *blocks, root = units
+    worst = 0
+    for i, n in enumerate(blocks):
+        before = blocks[i - 1] if i > 0 else 0
+        after = blocks[i + 1] if i + 1 < len(blocks) else 0
+        worst = max(worst, 2 * n + before + after if backward else n + after)
+    return 4 * (worst + root)
+
+
 # --- the step as a list of operations -------------------------------------------------------------
 
 @dataclass(eq=False)
@@ -180,10 +208,13 @@ class _Builder:
         self.a = 2 if s.amp else 4  # bytes per activation element
         self.g = 2 if s.working else 4  # bytes per element of a conv weight's gradient
         self.cast = s.amp and not s.working  # each weight cast in the step (and its gradient back)
+        self.shards = max(1, s.fsdp_world)  # FSDP keeps 1/shards of each parameter gradient
         self.segment: Optional[int] = None
         self.n_segments = 0
 
     def op(self, ins, outs, **kw) -> None:
+        if kw.get("param_grad"):  # under FSDP the unit's whole gradients are counted apart (gathered)
+            kw["param_grad"] = -(-kw["param_grad"] // self.shards)
         self.ops.append(_Op(tuple(ins), tuple(outs), segment=self.segment, **kw))
 
     def act(self, channels: int, level: int, nbytes: Optional[int] = None, grad: bool = True,
@@ -549,6 +580,8 @@ class Estimate:
     evaluate: bool = True  # the run evaluates (a forward without autograd) between epochs
     warmup_copy: int = 0  # the trainer's warm-up runs on a copy of the model and its optimizer
     working_copies: int = 0  # bf16 working copies of the conv weights, kept between steps
+    gathered: int = 0  # FSDP: unsharded units alive at once in the step (fsdp_gathered)
+    gathered_eval: int = 0  # FSDP: the same in a forward without autograd (evaluation)
 
     @property
     def data(self) -> int:
@@ -565,8 +598,9 @@ class Estimate:
 
     @property
     def step_peak(self) -> int:
-        """Live bytes at the step's peak with Adam's state present (every step after the first)."""
-        return self.static + self.activation_peak
+        """Live bytes at the step's peak with Adam's state present (every step after the first); under
+        FSDP the unsharded units on top (counted at the activations' peak: an upper bound)."""
+        return self.static + self.activation_peak + self.gathered
 
     @property
     def static(self) -> int:
@@ -586,7 +620,7 @@ class Estimate:
         A CUDA graph's pool stays reserved between replays (the step's activation peak, its gradients
         included), so what runs outside the graph (Adam's temporaries, the evaluation forward) comes on
         top of it. The warm-up copy is there before any capture."""
-        evaluation = self.walk.eval_peak if self.evaluate else 0
+        evaluation = self.walk.eval_peak + self.gathered_eval if self.evaluate else 0
         warmup = self.step_peak + self.warmup_copy
         if self.shape.graph:
             return max(warmup, self.step_peak + max(self.optimizer_temp, evaluation))
@@ -596,7 +630,7 @@ class Estimate:
         """The terms in GiB, for a table or a JSON record."""
         return {k: v / GiB for k, v in (
             ("params", self.params), ("grads", self.grads), ("adam", self.adam), ("buckets", self.buckets),
-            ("data", self.data),
+            ("data", self.data), ("gathered", self.gathered),
             ("saved", self.saved), ("forward_peak", self.walk.forward_peak),
             ("backward_peak", self.walk.backward_peak), ("eval_peak", self.walk.eval_peak),
             ("step_peak", self.step_peak), ("max_allocated", self.max_allocated), ("need", self.need))}
@@ -606,6 +640,17 @@ def estimate(s: StepShape, evaluate: bool = True, warmup: bool = False) -> Estim
     """The step's memory for a shape; `evaluate` counts the evaluation forward, `warmup` the trainer's
     warm-up copy of the model and optimizer."""
     p = param_count(s.scale, s.bottleneck, s.base_width, s.in_channels, s.n_classes)
+    if s.fsdp_world > 1:
+        # FSDP: each rank keeps 1/W of the parameters, their gradients and Adam's moments (no DDP
+        # buckets, no working copies); the units it runs are whole while they run (fsdp_gathered); the
+        # warm-up runs on the model itself (no copy). torch's Adam over the shards: foreach's (or the
+        # fused one's) temporary is a shard's moment on CUDA, one local tensor at a time on the CPU.
+        w = s.fsdp_world
+        units = fsdp_units(s.scale, s.bottleneck, s.base_width, s.in_channels, s.n_classes)
+        shard = -(-4 * p // w)
+        temp = shard if s.device == "cuda" else -(-4 * _largest_param(s) // w)
+        return Estimate(s, shard, shard, 2 * shard, temp, walk(s), 0, evaluate, 0, 0,
+                        fsdp_gathered(units), fsdp_gathered(units, backward=False))
     # torch's Adam: foreach on CUDA (a temporary the size of one moment); one tensor at a time on CPU.
     # Ours with working copies (scaffold.kernels.adam) updates in place: no temporary; the copies are
     # 2 bytes a parameter, and so are the gradients (the GroupNorms' few are fp32: counted as bf16).
