@@ -12,6 +12,10 @@ size), as DTensors sharded along their first dimension:
   is the unit: the block also hands its input on as the skip, and a unit's backward gathers as soon
   as any of its outputs gets a gradient, which for a skip comes from its Up block, early in the
   backward: every encoder block would be gathered at once.
+- **Layout**: FSDP2 shards contiguous parameters only, so a channels-last model (CUDA) has its
+  parameters put back in torch's default layout first; the activations stay channels-last
+  (`UNet3d.channels_last`). The Triton convolutions then copy each weight to channels-last per call
+  (scaffold.kernels.conv.directions.channels_last_weight), cuDNN converts it itself.
 - **Skip rooms off**: a unit's output must not be a view of a larger buffer that the next unit writes
   into (scaffold.plan turns them off); the concat copies both halves.
 - **With spatial shards**: the mesh is the whole world, data-parallel × spatial flattened into one
@@ -48,6 +52,10 @@ def shard_model(model: torch.nn.Module, device_type: str) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    for p in model.parameters():  # FSDP2 refuses non-contiguous parameters (channels-last ones)
+        if not p.is_contiguous():
+            model.channels_last = True  # the activations keep their layout
+            p.data = p.data.contiguous()
     mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     for unit in (model.inc, *(down.conv for down in model.downs), *model.ups):
         fully_shard(unit, mesh=mesh)

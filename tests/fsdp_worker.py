@@ -23,6 +23,7 @@ def main(out_path: str, scale: int, bottleneck: int, shards: int, load_path: str
     sg, d = mesh.shards, mesh.data_rank
     model, loss_fn, x, labels = case(scale, batch=mesh.data_world, bottleneck=bottleneck)
     model.skip_rooms = False  # as the plan has it under FSDP
+    model.to(memory_format=torch.channels_last_3d)  # the layout to_device gives a model on CUDA
     if sg is not None:
         shard_model(model, sg)
         loss_fn = loss_fn.split(lambda t: all_sum(t, sg))
