@@ -312,7 +312,8 @@ def check_scale(cfg: Any) -> None:
     if n is not None:
         advice = f"use parallel.spatial_shards >= {n}"
         if n_fsdp is not None and n_fsdp < n:
-            advice += f" (or >= {n_fsdp} with FSDP, parallel.fsdp=auto|on: as many ranks at least)"
+            advice = (f"with FSDP (parallel.fsdp=auto|on, as many ranks at least) {n_fsdp} spatial shards "
+                      f"suffice; replicated, {advice}")
     elif n_fsdp is not None:
         advice = (f"use parallel.spatial_shards >= {n_fsdp} with FSDP (parallel.fsdp={setting}: the parameters, "
                   f"gradients and Adam state sharded over at least {n_fsdp} ranks)")
