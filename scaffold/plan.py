@@ -435,10 +435,11 @@ def resolve(cfg: Any, place: Place = Place(), n_classes: Optional[int] = None) -
         why.append(("allocator", "expandable segments: a tight run, where fragmentation must not decide "
                     "whether it fits (unless PYTORCH_CUDA_ALLOC_CONF is set)"))
 
-    graph = wants_graph(cfg.cuda_graph, device, shards)
+    graph = wants_graph(cfg.cuda_graph, device, shards, fsdp)
     where = "under DDP, its all-reduce captured too" if place.joined else "in one process"
     graph_why = (f"cuda_graph={cfg.cuda_graph}: " + (f"one CUDA device {where}" if graph else
-                 "needs a CUDA device and volumes not split over ranks" if cfg.cuda_graph != "off"
+                 "needs a CUDA device, volumes not split over ranks and parameters not sharded"
+                 if cfg.cuda_graph != "off"
                  else "eager steps asked for"))
     if graph and cfg.cuda_graph == "auto":
         graph, graph_why = graph_plan(cfg, device, n_classes, recompute)

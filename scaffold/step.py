@@ -136,12 +136,16 @@ def keep_lr_on_device(optimizer: torch.optim.Optimizer) -> None:
             group["lr"] = torch.tensor(float(lr), device=device)
 
 
-def wants_graph(mode: str, device: torch.device, shards: int = 1) -> bool:
+def wants_graph(mode: str, device: torch.device, shards: int = 1, fsdp: bool = False) -> bool:
     """Whether a run captures its step (`cuda_graph`): auto/on on a CUDA device, in one process or under
     DDP (whose gradient all-reduce is captured with the step), with volumes not split over ranks (a
-    sharded step's halo exchanges run eagerly). `on` where that cannot be is a ConfigError, raised
-    before any work."""
-    possible = device.type == "cuda" and shards == 1
+    sharded step's halo exchanges run eagerly) and parameters not sharded (FSDP's all-gathers free and
+    refill the parameters' storage around each unit, eagerly). `on` where that cannot be is a
+    ConfigError, raised before any work."""
+    possible = device.type == "cuda" and shards == 1 and not fsdp
+    if mode == "on" and fsdp and device.type == "cuda" and shards == 1:
+        raise ConfigError("cuda_graph='on': expected parameters not sharded, got FSDP (parallel.fsdp; its "
+                          "all-gathers run eagerly): use cuda_graph=auto or off, or parallel.fsdp=off")
     if mode == "on" and not possible:
         where = f"{shards} spatial shards" if shards > 1 else f"device {device}"
         raise ConfigError(f"cuda_graph='on': expected a CUDA device and volumes not split over ranks, got "

@@ -272,3 +272,37 @@ def test_the_scale_check_names_the_shard_count_that_fits_with_fsdp(monkeypatch):
     cfg.parallel.fsdp = "off"
     with pytest.raises(ConfigError, match="no split of the volume fits either.*parallel.fsdp=off"):
         plan.check_scale(cfg)
+
+
+def test_preemption_mid_epoch_saves_the_position_and_resumes_bitwise(cache, tmp_path):
+    """SIGTERM to torchrun mid-epoch (sent by rank 0 in its 3rd step): the FSDP ranks agree on a step
+    boundary, every rank takes part in gathering the state and rank 0 saves the position; the resume
+    finishes the epoch bit for bit."""
+    import re
+
+    from helpers import torchrun as launch
+
+    longer = [*SMALL, "data.n_instances=30", "data.val_fraction=0.2", "epochs=2", f"data.cache_dir={cache}",
+              "parallel.fsdp=on"]  # 20 volumes: 16 training, 8 steps an epoch per rank
+    whole = tmp_path / "whole"
+    torchrun(2, [*longer, f"hydra.run.dir={whole}"], tmp_path)
+    run = tmp_path / "run"
+    res = launch(2, ["agent=0@3", *longer, f"hydra.run.dir={run}"], tmp_path,
+                 entry=(str(REPO / "tests" / "faults.py"),), timeout=LAUNCH_TIMEOUT)
+    assert res.returncode != 0
+    saved = re.search(r"interrupted by SIGTERM: epoch 1 stopped after (\d+) steps, position saved", res.stderr)
+    assert saved and 3 <= int(saved.group(1)) < 8, res.stderr[-3000:]
+    torchrun(2, [f"resume={run}"], tmp_path)
+    assert stable_rows(run / "train_stats.csv") == stable_rows(whole / "train_stats.csv")
+    assert same_params(params(run), params(whole))
+
+
+def test_fsdp_steps_are_never_captured():
+    """cuda_graph=auto leaves a sharded step eager; cuda_graph=on with FSDP is one line."""
+    from scaffold.config import ConfigError
+    from scaffold.step import wants_graph
+
+    cuda = torch.device("cuda", 0)
+    assert wants_graph("auto", cuda) and not wants_graph("auto", cuda, fsdp=True)
+    with pytest.raises(ConfigError, match=r"^cuda_graph='on': expected parameters not sharded, got FSDP"):
+        wants_graph("on", cuda, fsdp=True)
