@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 
-def main(out_path: str, scale: int, bottleneck: int, shards: int, load_path: str) -> None:
+def main(out_path: str, scale: int, bottleneck: int, shards: int, load_path: str, recompute: str) -> None:
     from scaffold import fsdp
     from scaffold.spatial import all_sum, make_mesh, shard_model
     from tests.spatial_case import case
@@ -23,6 +23,7 @@ def main(out_path: str, scale: int, bottleneck: int, shards: int, load_path: str
     sg, d = mesh.shards, mesh.data_rank
     model, loss_fn, x, labels = case(scale, batch=mesh.data_world, bottleneck=bottleneck)
     model.skip_rooms = False  # as the plan has it under FSDP
+    model.set_recompute(recompute)
     model.to(memory_format=torch.channels_last_3d)  # the layout to_device gives a model on CUDA
     if sg is not None:
         shard_model(model, sg)
@@ -53,4 +54,4 @@ def main(out_path: str, scale: int, bottleneck: int, shards: int, load_path: str
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])

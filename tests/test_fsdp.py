@@ -54,10 +54,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 # ------------------------------------------------------------------------------------------ the step
 
-@pytest.mark.parametrize("world, shards", [(2, 1), (4, 1), (2, 2), (4, 2)])
-def test_a_sharded_step_matches_one_process(world, shards, tmp_path):
+@pytest.mark.parametrize("world, shards, recompute", [(2, 1, "off"), (4, 1, "off"), (2, 2, "off"), (4, 2, "off"),
+                                                      (2, 1, "blocks")])
+def test_a_sharded_step_matches_one_process(world, shards, recompute, tmp_path):
     """FSDP over 2 or 4 ranks (each data-parallel rank one volume; with spatial shards, 2 ranks a
-    volume; the model channels-last, as on CUDA): the logits, every parameter's gradient (FSDP's average over the world) and Adam's moments
+    volume; with recompute, each block's forward run again inside its unit's backward; the model
+    channels-last, as on CUDA): the logits, every parameter's gradient (FSDP's average over the world) and Adam's moments
     after a step, against one process averaging the volumes' gradients as DDP does. The unsharded
     state gathered before the step is the model's own, bit for bit; a one-process checkpoint (torch's
     layout, numbered parameters) loads into the shards and gathers back bit for bit."""
@@ -75,7 +77,8 @@ def test_a_sharded_step_matches_one_process(world, shards, tmp_path):
     torch.save(saved, tmp_path / "one.pt")
 
     out = tmp_path / "sharded.pt"
-    torchrun(world, [str(out), str(scale), str(bottleneck), str(shards), str(tmp_path / "one.pt")], tmp_path,
+    torchrun(world, [str(out), str(scale), str(bottleneck), str(shards), str(tmp_path / "one.pt"), recompute],
+             tmp_path,
              entry=(str(REPO / "tests" / "fsdp_worker.py"),))
     got = torch.load(out, weights_only=False)
 
