@@ -39,7 +39,7 @@ rounding, not bits.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,12 +68,6 @@ def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def full_parameters(model: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """The model's parameters whole, one at a time (an all-gather each: every rank must iterate)."""
-    for p in model.parameters():
-        yield p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def _options(**kw: Any):
@@ -109,12 +103,14 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tupl
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                     optimizer_state: dict) -> None:
     """Loads an unsharded state (a checkpoint's, read by every rank) into the sharded model and
-    optimizer: each rank keeps its shard. A collective: every rank calls it."""
+    optimizer: each rank keeps its shard; the given dicts are left as they are. A collective: every rank
+    calls it."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    set_model_state_dict(model, model_state, options=_options())
+    # (copies of the dicts: loading replaces their tensors with this rank's shards)
+    set_model_state_dict(model, dict(model_state), options=_options())
     names = _names(model, optimizer)
-    named = {"state": {names[i]: st for i, st in optimizer_state["state"].items()},
+    named = {"state": {names[i]: dict(st) for i, st in optimizer_state["state"].items()},
              "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                               for g in optimizer_state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, named, options=_options())

@@ -168,6 +168,7 @@ class Job:
     model: Any = None
     ddp: Any = None
     n_params: int = 0
+    fingerprint: str = ""  # FSDP: of the whole parameters this rank sharded
     stats: Optional[StatsFile] = None
     tracker: Any = None
     original_overrides: list[str] = field(default_factory=list)
@@ -351,6 +352,7 @@ def _trainer(job: Job, loss_fn: Any, volumes: Volumes, stop: StopRequest) -> Non
     cfg, place, plan, sg, model = job.cfg, job.place, job.plan, job.mesh.shards, job.model
     ddp = None
     if plan.fsdp:  # parameters, gradients and Adam state sharded over the ranks: no DDP
+        job.fingerprint = distributed.fingerprint(model.parameters())  # what this rank shards (_records)
         fsdp.shard_model(model, plan.device.type)
     elif plan.data_parallel:
         ddp = data_parallel(model, plan)
@@ -437,8 +439,12 @@ def _records(job: Job) -> None:
         job.stats.tracker = job.tracker
     job.state = None
     # Every rank starts from the same parameters (DDP also broadcasts rank 0's at construction).
-    if place.world > 1:  # (FSDP: each parameter gathered whole in turn)
-        start = distributed.fingerprint(fsdp.full_parameters(job.model) if job.plan.fsdp else job.model.parameters())
+    if place.world > 1:
+        if job.plan.fsdp:  # each rank's shards are cut from its own whole tensors: compare those (its
+            # initialization, or the checkpoint it read); gathered ones would agree whatever they were
+            start = distributed.fingerprint(state["model"].values()) if state else job.fingerprint
+        else:
+            start = distributed.fingerprint(job.model.parameters())
         log.debug("rank %d: parameter fingerprint at start %s", place.rank, start)
         distributed.check_same(start, "the parameter fingerprint at start", place)
 
