@@ -309,3 +309,26 @@ def test_fsdp_steps_are_never_captured():
     assert wants_graph("auto", cuda) and not wants_graph("auto", cuda, fsdp=True)
     with pytest.raises(ConfigError, match=r"^cuda_graph='on': expected parameters not sharded, got FSDP"):
         wants_graph("on", cuda, fsdp=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_fsdp_on_two_gpus_is_repeatable_and_close_to_ddp(cache, tmp_path):
+    """The GPU path (NCCL, torch's fused Adam over DTensor shards, a channels-last model whose weights
+    FSDP keeps contiguous, bf16 autocast): two FSDP runs on 2 GPUs give the same bits, and DDP the same
+    trajectory up to the rounding of another summation order (bf16 activations: 1e-2)."""
+    from helpers import torchrun as launch
+
+    gpu = [a for a in SMALL if a not in ("device=cpu", "scale=4")] + ["scale=5", "epochs=2", f"data.cache_dir={cache}"]
+    runs = {}
+    for name, fsdp in (("a", "on"), ("b", "on"), ("ddp", "off")):
+        runs[name] = tmp_path / name
+        res = launch(2, [*gpu, f"hydra.run.dir={runs[name]}", f"parallel.fsdp={fsdp}"], tmp_path,
+                     timeout=LAUNCH_TIMEOUT)
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((runs["a"] / "run.json").read_text())["plan"]["optimizer"] == "torch-fused"
+    assert stable_rows(runs["a"] / "train_stats.csv") == stable_rows(runs["b"] / "train_stats.csv")
+    assert same_params(params(runs["a"]), params(runs["b"]))
+    for a, b in zip(read_rows(runs["a"] / "train_stats.csv"), read_rows(runs["ddp"] / "train_stats.csv")):
+        for key in ("overall_loss", "val_loss_avg"):
+            assert math.isclose(float(a[key]), float(b[key]), rel_tol=1e-2), key
