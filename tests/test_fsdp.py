@@ -59,8 +59,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def test_a_sharded_step_matches_one_process(world, shards, recompute, tmp_path):
     """FSDP over 2 or 4 ranks (each data-parallel rank one volume; with spatial shards, 2 ranks a
     volume; with recompute, each block's forward run again inside its unit's backward; the model
-    channels-last, as on CUDA): the logits, every parameter's gradient (FSDP's average over the world) and Adam's moments
-    after a step, against one process averaging the volumes' gradients as DDP does. The unsharded
+    channels-last, as on CUDA): the logits, every parameter's gradient (FSDP's average over the world)
+    and Adam's moments after a step, against one process averaging the volumes' gradients as DDP does. The unsharded
     state gathered before the step is the model's own, bit for bit; a one-process checkpoint (torch's
     layout, numbered parameters) loads into the shards and gathers back bit for bit."""
     from spatial_case import case
