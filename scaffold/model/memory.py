@@ -24,6 +24,11 @@ so with U = N·D·H·W·w_0 bytes (level 0, bf16) the kept activations are about
 plus bf16 copies of the conv weights (2 B per parameter, off only). At scale 8 (U = 1 GiB, 361 M
 parameters) that is the measured 29 GiB of the graphed step; at scale 9 (U = 8 GiB) about 220 GiB.
 
+Under FSDP (`StepShape.fsdp_world` ranks, scaffold.fsdp) the parameters, their gradients and Adam's
+moments are each 1/W per rank, there are no DDP buckets, working copies or warm-up copy, and the units
+being all-gathered are whole on top (`fsdp_units`, `fsdp_gathered`: at the worst unit, its parameters
+and gradients and its two neighbours; added at the activations' peak, an upper bound).
+
 Three other things hold memory: a CUDA graph keeps its pool (the step's activation peak) reserved
 between replays, so what runs outside the graph (Adam's temporaries, the evaluation forward) comes on
 top; the trainer keeps every mask of the dataset on the device; and its warm-up runs on a copy of the
