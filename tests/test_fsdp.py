@@ -257,6 +257,25 @@ def test_the_memory_model_shards_the_state_and_adds_the_whole_units():
     assert eight.need < one.need
 
 
+def test_the_whole_units_count_where_their_ops_run(monkeypatch):
+    """The walk adds each unit's whole bytes while its ops run: more than without them, at most the
+    worst unit's on top (less where the activations peak elsewhere than the largest unit)."""
+    from dataclasses import replace
+
+    from scaffold.model import memory
+    from scaffold.model.memory import StepShape, walk
+
+    s = replace(StepShape(7, recompute="blocks"), fsdp_world=8)
+    with_units = walk(s)
+    monkeypatch.setattr(memory, "_whole", lambda shape, backward: None)
+    without = walk(s)
+    gathered = memory.fsdp_gathered(memory.fsdp_units(7))
+    for a, b in ((with_units.backward_peak, without.backward_peak), (with_units.forward_peak, without.forward_peak),
+                 (with_units.eval_peak, without.eval_peak)):
+        assert b < a <= b + gathered
+    assert with_units.backward_peak < without.backward_peak + gathered  # the peaks are apart at scale 7
+
+
 def test_the_scale_check_names_the_shard_count_that_fits_with_fsdp(monkeypatch):
     """Scale 11 with 8 levels (23 G parameters) on 140 GiB devices: no replicated split fits; with FSDP
     the check names the shard count, and with parallel.fsdp=off it says FSDP would shard them."""

@@ -64,7 +64,7 @@ def print_fit(rows: list[dict], scale: int, bottleneck: int, capacity_gib: float
     first = lambda key: next((r["shards"] for r in rows if r.get(key)), None)  # noqa: E731
     print(f"scale {scale}, {scale - bottleneck} levels ({rows[0]['parameters'] / 1e9:.1f} G parameters), bf16, "
           f"recompute, batch 1, on {capacity_gib:g} GiB devices: a rank's need in GiB")
-    print(f"{'shards':>6} {'replicated':>10} {'FSDP':>8} {'of which whole units':>20}")
+    print(f"{'shards':>6} {'replicated':>10} {'FSDP':>8} {'whole units at most':>20}")
     for r in rows:
         f = f"{r['fsdp_gib']:8.1f} {r['gathered_gib']:20.1f}" if "fsdp_gib" in r else f"{'-':>8} {'-':>20}"
         print(f"{r['shards']:>6} {r['replicated_gib']:>10.1f} {f}")

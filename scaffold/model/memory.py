@@ -26,8 +26,8 @@ parameters) that is the measured 29 GiB of the graphed step; at scale 9 (U = 8 G
 
 Under FSDP (`StepShape.fsdp_world` ranks, scaffold.fsdp) the parameters, their gradients and Adam's
 moments are each 1/W per rank, there are no DDP buckets, working copies or warm-up copy, and the units
-being all-gathered are whole on top (`fsdp_units`, `fsdp_gathered`: at the worst unit, its parameters
-and gradients and its two neighbours; added at the activations' peak, an upper bound).
+being all-gathered are whole while their ops run (`fsdp_units`, `fsdp_whole`: the running unit's
+parameters, in the backward its gradients too, and its two neighbours), counted op by op in the walk.
 
 Three other things hold memory: a CUDA graph keeps its pool (the step's activation peak) reserved
 between replays, so what runs outside the graph (Adam's temporaries, the evaluation forward) comes on
@@ -169,19 +169,31 @@ def fsdp_units(scale: int, bottleneck: int = 3, base_width: int = 64, in_channel
             base_width * n_classes + n_classes]
 
 
-def fsdp_gathered(units: list[int], backward: bool = True) -> int:
-    """Bytes of unsharded (all-gathered, fp32) units alive at once, at the worst unit: in the forward
-    the running unit and the next one, whose all-gather is issued ahead; in the backward the running
-    unit's parameters and its unsharded gradients, the unit before it prefetched, and the unit after
-    it, whose gradients may still be in their reduce-scatter. The root's (the head) stay whole
-    throughout."""
+def fsdp_whole(units: list[int], backward: bool = True) -> list[int]:
+    """Bytes of unsharded (all-gathered, fp32) units alive while an op of each unit runs: [the root's
+    ops, unit 0's, unit 1's, ...]. In the forward the running unit and the next one, whose all-gather is
+    issued ahead; in the backward the running unit's parameters and its unsharded gradients, the unit
+    before it prefetched, and the unit after it, whose gradients may still be in their reduce-scatter.
+    The root's (the head) stay whole throughout."""
     *blocks, root = units
-    worst = 0
+    out = [4 * root]
     for i, n in enumerate(blocks):
         before = blocks[i - 1] if i > 0 else 0
         after = blocks[i + 1] if i + 1 < len(blocks) else 0
-        worst = max(worst, 2 * n + before + after if backward else n + after)
-    return 4 * (worst + root)
+        out.append(4 * (root + (2 * n + before + after if backward else n + after)))
+    return out
+
+
+def fsdp_gathered(units: list[int], backward: bool = True) -> int:
+    """The most bytes of whole units alive at once (fsdp_whole's worst unit)."""
+    return max(fsdp_whole(units, backward))
+
+
+def _whole(s: "StepShape", backward: bool) -> Optional[list[int]]:
+    """fsdp_whole of the step's units under FSDP; None when the parameters are replicated."""
+    if s.fsdp_world <= 1:
+        return None
+    return fsdp_whole(fsdp_units(s.scale, s.bottleneck, s.base_width, s.in_channels, s.n_classes), backward)
 
 
 # --- the step as a list of operations -------------------------------------------------------------
@@ -203,6 +215,7 @@ class _Op:
     grad_temp: int = 0  # bytes written in the backward and dropped (a bf16 weight gradient before its cast)
     work: int = 0  # transient bytes inside the forward
     segment: Optional[int] = None  # recompute segment (a checkpointed DoubleConv)
+    unit: Optional[int] = None  # FSDP unit (fsdp_units' index) whose parameters it reads; None: the root's
 
 
 class _Builder:
@@ -215,12 +228,13 @@ class _Builder:
         self.cast = s.amp and not s.working  # each weight cast in the step (and its gradient back)
         self.shards = max(1, s.fsdp_world)  # FSDP keeps 1/shards of each parameter gradient
         self.segment: Optional[int] = None
+        self.unit: Optional[int] = None  # the FSDP unit of the ops appended (fsdp_units' index)
         self.n_segments = 0
 
     def op(self, ins, outs, **kw) -> None:
         if kw.get("param_grad"):  # under FSDP the unit's whole gradients are counted apart (gathered)
             kw["param_grad"] = -(-kw["param_grad"] // self.shards)
-        self.ops.append(_Op(tuple(ins), tuple(outs), segment=self.segment, **kw))
+        self.ops.append(_Op(tuple(ins), tuple(outs), segment=self.segment, unit=self.unit, **kw))
 
     def act(self, channels: int, level: int, nbytes: Optional[int] = None, grad: bool = True,
             whole: bool = False, halo: bool = False) -> _T:
@@ -408,13 +422,17 @@ def _step_ops(s: StepShape) -> tuple[list[_Op], set, _T, _T]:
     def room(level: int) -> int:  # a skip's room for its concat's other half (UNet3d._skip_rooms)
         return widths[level] if s.rooms and level < s.levels else 0
 
+    b.unit = 0  # FSDP units as scaffold.fsdp makes them: the stem, each Down's DoubleConv, each Up
     h = b.double_conv(x, s.in_channels, widths[0], 0, block, cast_input=s.amp, room=room(0))
     skips = []
     for level in range(1, s.levels + 1):
         skips.append(h)
-        h = b.double_conv(b.pool(h, widths[level - 1], level), widths[level - 1], widths[level], level, block,
-                          room=room(level))
+        b.unit = None
+        pooled = b.pool(h, widths[level - 1], level)
+        b.unit = level
+        h = b.double_conv(pooled, widths[level - 1], widths[level], level, block, room=room(level))
     for level in reversed(range(s.levels)):
+        b.unit = 2 * s.levels - level
         whole = on and level > 0  # below full resolution the whole Up level is one segment
         b.begin(whole)
         up = b.conv_transpose(h, widths[level + 1], widths[level], level)
@@ -426,6 +444,7 @@ def _step_ops(s: StepShape) -> tuple[list[_Op], set, _T, _T]:
                           head=head)
         if whole:
             b.end()
+    b.unit = None
     logits = h if s.head_to_block else b.conv(h, widths[0], s.n_classes, 0, taps=1, bias=True)
     b.loss(logits, labels)
     return b.ops, {x, logits, labels}, x, logits
@@ -443,6 +462,10 @@ class _Live:
 
     def free(self, n: int) -> None:
         self.now -= n
+
+    def touch(self, extra: int) -> None:
+        """`extra` bytes alive for a moment on top of what is allocated (FSDP's whole units)."""
+        self.peak = max(self.peak, self.now + extra)
 
 
 @dataclass(frozen=True)
@@ -466,10 +489,12 @@ def _segment_inputs(ops: list[_Op], idx: list[int]) -> set:
     return {t for i in idx for t in ops[i].ins if t not in made}
 
 
-def _forward(ops: list[_Op], keep: set, holders: dict, live: _Live, idx=None) -> None:
+def _forward(ops: list[_Op], keep: set, holders: dict, live: _Live, idx=None,
+             whole: Optional[list[int]] = None) -> None:
     """Runs ops (all, or those of `idx`) forward: outputs allocated, and a tensor freed after its last
     use in this run unless something holds it (`holders`: tensor -> savers not yet released) or the
-    step keeps it (`keep`)."""
+    step keeps it (`keep`). `whole[u + 1]`: FSDP's whole units' bytes while an op of unit u runs
+    (whole[0]: the root's ops)."""
     idx = list(range(len(ops))) if idx is None else idx
     last = {t: i for i in idx for t in ops[i].ins}
     freed: set = set()
@@ -479,6 +504,8 @@ def _forward(ops: list[_Op], keep: set, holders: dict, live: _Live, idx=None) ->
             live.alloc(t.nbytes)
         live.alloc(op.work)
         live.free(op.work)
+        if whole:
+            live.touch(whole[0 if op.unit is None else op.unit + 1])
         for t in dict.fromkeys((*op.ins, *op.outs)):
             dead = last.get(t, i) <= i and holders.get(t, 0) <= 0 and t not in keep
             if dead and t not in freed:
@@ -504,13 +531,13 @@ def walk(s: StepShape) -> Walk:
         for t in inputs:
             holders[t] = holders.get(t, 0) + 1
     live = _Live()
-    _forward(ops, keep, holders, live)
+    _forward(ops, keep, holders, live, whole=_whole(s, backward=False))
     held = {t for t, n in holders.items() if n > 0}
     saved = sum(t.nbytes for t in held)
     forward_peak = live.peak
 
     live.peak = live.now
-    _backward(ops, keep, holders, segments, seg_inputs, logits, live)
+    _backward(ops, keep, holders, segments, seg_inputs, logits, live, _whole(s, backward=True))
     return Walk(saved, forward_peak, live.peak, _eval_peak(s))
 
 
@@ -520,7 +547,8 @@ def _release(t: _T, holders: dict, keep: set, live: _Live) -> None:
         live.free(t.nbytes)
 
 
-def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live) -> None:
+def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live,
+              whole: Optional[list[int]] = None) -> None:
     grads: set = set()
     done_segments: set = set()
     for i in reversed(range(len(ops))):
@@ -528,7 +556,7 @@ def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live) -> 
         k = op.segment
         if k is not None and k not in done_segments:  # first backward into a segment: recompute it
             done_segments.add(k)
-            _recompute(ops, segments[k], keep, holders, live)
+            _recompute(ops, segments[k], keep, holders, live, whole)
         for t in op.ins:
             if not t.grad:
                 continue
@@ -537,6 +565,8 @@ def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live) -> 
                 live.free(t.nbytes)
             grads.add(t)
         live.alloc(op.param_grad + op.grad_temp)
+        if whole:
+            live.touch(whole[0 if op.unit is None else op.unit + 1])
         live.free(op.grad_temp)
         for t in op.outs:
             if t in grads:
@@ -549,20 +579,21 @@ def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live) -> 
                 _release(t, holders, keep, live)
 
 
-def _recompute(ops, idx: list[int], keep: set, holders: dict, live: _Live) -> None:
+def _recompute(ops, idx: list[int], keep: set, holders: dict, live: _Live,
+               whole: Optional[list[int]] = None) -> None:
     """A segment's forward again, keeping what its ops save; torch stops after the last op that saves
     something, so that op's output is made and dropped at once."""
     for i in idx:
         for t in ops[i].saved:
             holders[t] = holders.get(t, 0) + 1
-    _forward(ops, keep, holders, live, idx)
+    _forward(ops, keep, holders, live, idx, whole)  # inside the unit's backward: its gathered bytes
 
 
 def _eval_peak(s: StepShape) -> int:
     """A forward under no_grad, then the validation loss and Dice (torch's ops, fp32 over the logits)."""
     ops, keep, _, _ = _step_ops(replace(s, recompute="off", fused=True))
     live = _Live()
-    _forward(ops[:-1], keep, {}, live)
+    _forward(ops[:-1], keep, {}, live, whole=_whole(s, backward=False))
     c, v = s.n_classes, s.voxels(0)
     live.alloc(4 * c * v + c * v + 3 * 4 * v + 4 * (c - 1) * v)  # log-probs, one-hot, NLL terms, probs
     return live.peak
@@ -585,7 +616,7 @@ class Estimate:
     evaluate: bool = True  # the run evaluates (a forward without autograd) between epochs
     warmup_copy: int = 0  # the trainer's warm-up runs on a copy of the model and its optimizer
     working_copies: int = 0  # bf16 working copies of the conv weights, kept between steps
-    gathered: int = 0  # FSDP: unsharded units alive at once in the step (fsdp_gathered)
+    gathered: int = 0  # FSDP: the most bytes of whole units at once (fsdp_gathered; in the walk's peaks)
     gathered_eval: int = 0  # FSDP: the same in a forward without autograd (evaluation)
 
     @property
@@ -604,8 +635,8 @@ class Estimate:
     @property
     def step_peak(self) -> int:
         """Live bytes at the step's peak with Adam's state present (every step after the first); under
-        FSDP the unsharded units on top (counted at the activations' peak: an upper bound)."""
-        return self.static + self.activation_peak + self.gathered
+        FSDP the whole units are in the walk's peaks, op by op."""
+        return self.static + self.activation_peak
 
     @property
     def static(self) -> int:
@@ -625,7 +656,7 @@ class Estimate:
         A CUDA graph's pool stays reserved between replays (the step's activation peak, its gradients
         included), so what runs outside the graph (Adam's temporaries, the evaluation forward) comes on
         top of it. The warm-up copy is there before any capture."""
-        evaluation = self.walk.eval_peak + self.gathered_eval if self.evaluate else 0
+        evaluation = self.walk.eval_peak if self.evaluate else 0
         warmup = self.step_peak + self.warmup_copy
         if self.shape.graph:
             return max(warmup, self.step_peak + max(self.optimizer_temp, evaluation))
