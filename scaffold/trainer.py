@@ -245,15 +245,17 @@ class Trainer:
         self.n_classes = volumes.palette.shape[0]
         # The run's decisions (scaffold.plan): the autocast dtype, the optimizer's implementation and
         # whether it writes bf16 working copies of the conv weights. Without a plan (tests, tools), the
-        # plan's own rules applied to this model and device.
+        # plan's own rules applied to this model and device. FSDP (scaffold.fsdp): the parameters are
+        # shards, and every forward and backward runs collectives.
+        self.sharded = fsdp.is_sharded(model)
         if plan is not None:
             self.amp_dtype, self.optimizer_kind, self.working = plan.amp_dtype, plan.optimizer, plan.working_copies
         else:
-            self.amp_dtype, self.optimizer_kind = amp_dtype(cfg.precision, device), optimizer_kind(device)[0]
-            self.working = asks_working_copies(ddp_model is not None, 1 if self.shards is None else self.shards.count,
+            self.amp_dtype = amp_dtype(cfg.precision, device)
+            self.optimizer_kind = optimizer_kind(device, sharded=self.sharded)[0]
+            self.working = asks_working_copies(ddp_model is not None or self.sharded,
+                                               1 if self.shards is None else self.shards.count,
                                                getattr(model, "recompute", "off"))
-        # FSDP (scaffold.fsdp): the parameters are shards; every forward and backward runs collectives.
-        self.sharded = fsdp.is_sharded(model)
         self.optimizer = make_optimizer(model, cfg, working=self.working, kind=self.optimizer_kind)
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
             self.optimizer, T_0=cfg.optim.t0, T_mult=cfg.optim.t_mult, eta_min=cfg.optim.eta_min)
