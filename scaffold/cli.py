@@ -30,10 +30,12 @@ log = logging.getLogger("scaffold")
 # Keys a resumed run may change: they do not alter what has been computed so far.
 RESUME_MUTABLE = {"epochs", "target_dice", "target_metric", "checkpoint_interval", "progress", "profile", "device",
                   "data.workers", "data.cache_dir", "warmup_steps", "cuda_graph", "parallel.timeout_s",
-                  "objective", "logger", "parallel.spatial_shards",
+                  "objective", "logger", "parallel.spatial_shards", "parallel.fsdp",
                   "model.recompute", "data_placement"}  # the last two: the same bits either way
 # Of those, keys whose change alters the arithmetic from the resume on (said in one line).
-RESUME_NOT_BITWISE = {"parallel.spatial_shards": "sums are split over another number of slabs"}
+RESUME_NOT_BITWISE = {"parallel.spatial_shards": "sums are split over another number of slabs",
+                      "parallel.fsdp": "gradients summed by FSDP's reduce-scatter or DDP's all-reduce, "
+                                       "in another order"}
 
 
 def conf_dir() -> str:

@@ -142,6 +142,13 @@ class ParallelConfig:
     × spatial_shards, consecutive ranks share a volume). Convolutions exchange one-voxel halos with
     their neighbours, GroupNorm, the loss and the metrics reduce over the shard group in rank order,
     and each rank reads only its slab of every volume. For volumes one device cannot hold."""
+    fsdp: str = choice("auto", "on", "off")
+    """Shard the parameters, their gradients and Adam's state over every rank (FSDP2, each U-Net block
+    and the root a unit, all-gathered for its forward and backward, gradients reduce-scattered) instead
+    of replicating them under DDP: auto (on where the memory model, scaffold/model/memory.py, says the
+    replicated parameters, gradients and Adam state leave the run no room on the device at this world
+    size; off in one process) | on (whenever there are several ranks) | off (DDP). Checkpoints hold the
+    unsharded state either way: a run resumes at any world size, with FSDP on or off."""
 
 
 @dataclass
@@ -281,7 +288,8 @@ def check(cfg: Any) -> None:
     for key, why in RETIRED.items():
         if getattr(cfg, key, None) is not None:
             raise ConfigError(why)
-    for name, cls in (("", Config), ("data.", DataConfig), ("model.", ModelConfig)):
+    for name, cls in (("", Config), ("data.", DataConfig), ("model.", ModelConfig),
+                      ("parallel.", ParallelConfig)):
         node = cfg if not name else getattr(cfg, name[:-1])
         for f in fields(cls):
             value = getattr(node, f.name, None)

@@ -82,15 +82,18 @@ def masks_on_host(cfg: Any, device: str, capacity: int) -> bool:
 
 def step_shape(cfg: Any, device: str, recompute: str = "off", n_classes: Optional[int] = None,
                data_bytes: Optional[int] = None, capacity: Optional[int] = None,
-               world: Optional[int] = None) -> StepShape:
+               world: Optional[int] = None, fsdp: Optional[bool] = None) -> StepShape:
     """The step of a training config on `device` ("cuda" or "cpu"): precision, rungs, CUDA graph,
-    spatial shards and the masks' placement as this plan resolves them (`capacity`: the device's
-    bytes, for `data_placement=auto`; data_bytes overrides the masks' bytes; world: the processes,
-    torchrun's WORLD_SIZE by default)."""
+    spatial shards, FSDP and the masks' placement as this plan resolves them (`capacity`: the device's
+    bytes, for `data_placement=auto` and `parallel.fsdp=auto`; data_bytes overrides the masks' bytes;
+    world: the processes, torchrun's WORLD_SIZE by default; fsdp: whether the parameters are sharded,
+    by default as `wants_fsdp` decides)."""
     m = cfg.model
     amp = cfg.precision == "bf16" or (cfg.precision == "auto" and device == "cuda")
     if world is None:
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: DDP, whose step is not captured
+    if fsdp is None:
+        fsdp = wants_fsdp(cfg, device, world, capacity, n_classes)[0]
     shards = int(getattr(getattr(cfg, "parallel", None), "spatial_shards", 1) or 1)
     graph = device == "cuda" and cfg.cuda_graph != "off" and world == 1 and shards == 1
     # The slab GroupNorm saves what the fused rungs save (its input and the statistics).
@@ -100,9 +103,44 @@ def step_shape(cfg: Any, device: str, recompute: str = "off", n_classes: Optiona
         data_bytes = 0 if host or device != "cuda" else dataset_bytes(cfg)
     return StepShape(cfg.scale, m.bottleneck, m.base_width, m.groups, 3,
                      n_classes if n_classes is not None else cfg.data.n_categories + 1, cfg.batch_size,
-                     amp, device, fused, recompute, graph, data_bytes, world > 1,
+                     amp, device, fused, recompute, graph, data_bytes, world > 1 and not fsdp,
                      device == "cuda" and world == 1, shards,
-                     head_on_vendor=getattr(cfg.ladder, "conv", "auto") == "vendor")
+                     head_on_vendor=getattr(cfg.ladder, "conv", "auto") == "vendor",
+                     fsdp_world=world if fsdp and world > 1 else 1)
+
+
+# --- parallel.fsdp=auto -----------------------------------------------------------------------------
+
+def wants_fsdp(cfg: Any, device: str, world: int, capacity: Optional[int],
+               n_classes: Optional[int] = None) -> tuple[bool, str]:
+    """(whether the parameters, gradients and Adam state are sharded over the ranks, why) for
+    `parallel.fsdp`: off in one process (nothing to shard over) and where asked; on where asked; auto:
+    on where the memory model says the run with them replicated (DDP; with recompute where
+    `model.recompute` allows it, its lowest need) does not fit the device's `capacity` at this world
+    size (also the evaluation and the warm-up copy, as the scale check counts them), off otherwise
+    (DDP: no all-gathers). Shapes only: no allocation."""
+    setting = str(getattr(getattr(cfg, "parallel", None), "fsdp", "off"))
+    if world <= 1:
+        return False, f"parallel.fsdp={setting} -> off: one process, nothing to shard over"
+    if setting != "auto":
+        return setting == "on", f"parallel.fsdp={setting}"
+    if capacity is None:
+        return False, "parallel.fsdp=auto -> off: the device's memory is not known here"
+    recompute = getattr(cfg.model, "recompute", "auto")
+    if recompute == "auto":  # its lowest need: recompute=auto turns it on where needed, on CUDA only
+        recompute = "blocks" if device == "cuda" else "off"
+    s = step_shape(cfg, device, recompute, n_classes, capacity=capacity, world=world, fsdp=False)
+    e = estimate(replace(s, graph=False), warmup=cfg.warmup_steps > 0)
+    whole = e.params + e.grads + e.adam + e.buckets
+    on = e.need > capacity * HEADROOM
+    return on, (f"parallel.fsdp=auto -> {'on' if on else 'off'}: replicated over {world} ranks a rank needs "
+                f"~{_size(e.need)} (parameters, gradients, Adam state and DDP's buckets {_size(whole)}) of "
+                f"{_size(capacity)}")
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB, or MiB below a tenth of one (a test's tiny model)."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB // 10 else f"{n / 2**20:.1f} MiB"
 
 
 # --- recompute=auto ---------------------------------------------------------------------------------
@@ -228,16 +266,21 @@ def target_device(setting: Any) -> Optional[str]:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
-def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 12) -> Optional[int]:
+def shards_needed(s: StepShape, capacity: int, warmup: bool, most: int = 1 << 12,
+                  fsdp: bool = False) -> Optional[int]:
     """The fewest shards (a power of two) over which each device's share of the run is predicted to
     fit with recompute (strictly: this is the count to advise, not the scale check's tolerant test);
     else the fewest that pass the scale check; None if no split does (the parameters and Adam state,
-    which every shard holds whole, do not fit)."""
+    which every shard holds whole, do not fit). `fsdp`: the parameters, gradients and Adam state
+    sharded over the world, at least the shard count (FSDP)."""
     needs = {}
     n = 2
     while n <= min(most, 2**s.scale):
         # sharded: no CUDA graph (as step_shape has it)
-        needs[n] = estimate(replace(s, depth_shards=n, graph=False), warmup=warmup).need
+        shape = replace(s, depth_shards=n, graph=False, fsdp_world=1)
+        if fsdp:  # as many ranks as shards at least; no DDP buckets, no working copies
+            shape = replace(shape, fsdp_world=max(n, s.fsdp_world), data_parallel=False, ask_copies=False)
+        needs[n] = estimate(shape, warmup=warmup).need
         if needs[n] <= capacity:
             return n
         n *= 2
@@ -263,14 +306,29 @@ def check_scale(cfg: Any) -> None:
     need = estimate(s, warmup=warmup).need
     if _fits(need, memory.total):
         return
-    n = shards_needed(s, memory.total, warmup)
+    n = shards_needed(replace(s, fsdp_world=1), memory.total, warmup)
+    setting = str(getattr(cfg.parallel, "fsdp", "auto"))
+    n_fsdp = shards_needed(s, memory.total, warmup, fsdp=True) if setting != "off" else None
     if n is not None:
         advice = f"use parallel.spatial_shards >= {n}"
+        if n_fsdp is not None and n_fsdp < n:
+            advice = (f"with FSDP (parallel.fsdp=auto|on, as many ranks at least) {n_fsdp} spatial shards "
+                      f"suffice; replicated, {advice}")
+    elif n_fsdp is not None:
+        advice = (f"use parallel.spatial_shards >= {n_fsdp} with FSDP (parallel.fsdp={setting}: the parameters, "
+                  f"gradients and Adam state sharded over at least {n_fsdp} ranks)")
     else:
-        e = estimate(s, warmup=warmup)
+        e = estimate(replace(s, fsdp_world=1), warmup=warmup)
         whole = (e.params + e.grads + e.adam) / GiB
+        if setting == "off":
+            fsdp = "; parallel.fsdp=off: with auto or on, FSDP shards them over the ranks"
+        else:
+            f = estimate(replace(s, depth_shards=2**s.scale, graph=False, fsdp_world=max(2**s.scale, s.fsdp_world),
+                                 data_parallel=False, ask_copies=False), warmup=warmup)
+            fsdp = (f"; nor with FSDP: the largest U-Net blocks, whole while they run, need {f.gathered / GiB:.0f} "
+                    f"GiB at once")
         advice = (f"no split of the volume fits either: every rank holds the whole model, and its parameters, "
-                  f"gradients and Adam state alone are {whole:.0f} GiB; raise model.bottleneck (fewer "
+                  f"gradients and Adam state alone are {whole:.0f} GiB{fsdp}; raise model.bottleneck (fewer "
                   f"levels, fewer parameters)")
     raise ConfigError(f"scale={cfg.scale} needs ~{need / GiB:.0f} GiB per device with recompute "
                       f"(batch_size={cfg.batch_size}, {s.data_bytes / GiB:.1f} GiB of masks on it); this device "
@@ -325,6 +383,7 @@ class RunPlan:
     skip_rooms: bool = True  # skips written with room for their concat's other half
     fuse_head: bool = True  # the last GroupNorm + ReLU and the 1x1x1 head as one op where a rung can
     optimizer: str = "torch"  # one of OPTIMIZERS
+    fsdp: bool = False  # parameters, gradients and Adam state sharded over the ranks (FSDP2), not DDP
     reasons: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def lines(self) -> list[str]:
@@ -337,7 +396,8 @@ class RunPlan:
                 self.amp_dtype else None, "world": self.world, "data_parallel": self.data_parallel,
                 "spatial_shards": self.spatial_shards, "cuda_graph": self.cuda_graph, "recompute": self.recompute,
                 "masks_on_host": self.masks_on_host, "working_copies": self.working_copies,
-                "skip_rooms": self.skip_rooms, "fuse_head": self.fuse_head, "optimizer": self.optimizer}
+                "skip_rooms": self.skip_rooms, "fuse_head": self.fuse_head, "optimizer": self.optimizer,
+                "fsdp": self.fsdp}
 
 
 def resolve(cfg: Any, place: Place = Place(), n_classes: Optional[int] = None) -> RunPlan:
@@ -361,8 +421,12 @@ def resolve(cfg: Any, place: Place = Place(), n_classes: Optional[int] = None) -
     if data_world > n_train:
         raise ConfigError(f"world size {place.world}: more data-parallel ranks ({data_world}) than the "
                           f"{n_train} training volumes")
+    total = device_memory(device, query_free=False).total
+    fsdp, fsdp_why = wants_fsdp(cfg, device.type, place.world if place.joined else 1, total, n_classes)
     if place.joined:
-        why.append(("ranks", f"{place.world} ({data_world} data-parallel x {shards} spatial shards), DDP"))
+        how = f"FSDP over all {place.world}" if fsdp else "DDP"
+        why.append(("ranks", f"{place.world} ({data_world} data-parallel x {shards} spatial shards), {how}"))
+    why.append(("fsdp", f"{'on' if fsdp else 'off'} ({fsdp_why})"))
 
     recompute, line = recompute_mode(cfg, n_classes, device)
     why.append(("recompute", f"{recompute} ({line})"))
@@ -371,10 +435,11 @@ def resolve(cfg: Any, place: Place = Place(), n_classes: Optional[int] = None) -
         why.append(("allocator", "expandable segments: a tight run, where fragmentation must not decide "
                     "whether it fits (unless PYTORCH_CUDA_ALLOC_CONF is set)"))
 
-    graph = wants_graph(cfg.cuda_graph, device, shards)
+    graph = wants_graph(cfg.cuda_graph, device, shards, fsdp)
     where = "under DDP, its all-reduce captured too" if place.joined else "in one process"
     graph_why = (f"cuda_graph={cfg.cuda_graph}: " + (f"one CUDA device {where}" if graph else
-                 "needs a CUDA device and volumes not split over ranks" if cfg.cuda_graph != "off"
+                 "needs a CUDA device, volumes not split over ranks and parameters not sharded"
+                 if cfg.cuda_graph != "off"
                  else "eager steps asked for"))
     if graph and cfg.cuda_graph == "auto":
         graph, graph_why = graph_plan(cfg, device, n_classes, recompute)
@@ -385,18 +450,19 @@ def resolve(cfg: Any, place: Place = Place(), n_classes: Optional[int] = None) -
     why.append(("masks", ("pinned host memory, copied per step" if host else f"on {device}") +
                 f" (data_placement={cfg.data_placement}, {dataset_bytes(cfg) / GiB:.2f} GiB)"))
 
-    opt, opt_why = optimizer_kind(device)
+    opt, opt_why = optimizer_kind(device, sharded=fsdp)
     why.append(("optimizer", opt_why))
     working = asks_working_copies(place.joined, shards, recompute)
     real = working and opt == "scaffold" and amp == torch.bfloat16
     why.append(("working copies", "bf16 conv weights written by Adam" if real else
                 "none (they need our Adam under bf16 autocast, one process outside DDP, volumes not split and "
                 "no recompute, whose peak they would raise)"))
-    rooms = shards == 1 and recompute == "off"
+    rooms = shards == 1 and recompute == "off" and not fsdp
     why.append(("skip rooms", "each skip written with room for its concat's other half" if rooms else
-                "off (a recomputed block owns its tensors; a split volume moves its skips)"))
+                "off (a recomputed block owns its tensors; a split volume moves its skips; an FSDP unit's "
+                "output is no view of a buffer the next unit writes)"))
     fuse = shards == 1
     why.append(("fused head", "last GroupNorm + ReLU and the 1x1x1 head as one op where their rungs allow"
                 if fuse else "off: the volume is split over ranks"))
     return RunPlan(device, amp, place.world, place.joined, shards, graph, cfg.cuda_graph == "on", recompute,
-                   roomy, host, working, rooms, fuse, opt, tuple(why))
+                   roomy, host, working, rooms, fuse, opt, fsdp, tuple(why))

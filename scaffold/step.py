@@ -64,9 +64,17 @@ def amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
 OPTIMIZERS = ("scaffold", "torch-fused", "torch")  # scaffold.kernels.adam | torch's fused | torch's foreach
 
 
-def optimizer_kind(device: torch.device) -> tuple[str, str]:
+def optimizer_kind(device: torch.device, sharded: bool = False) -> tuple[str, str]:
     """(the optimizer's implementation, why), one of OPTIMIZERS: ours on CUDA where Triton compiles (not
-    its interpreter), torch's fused and capturable Adam on CUDA otherwise, torch's default on the CPU."""
+    its interpreter), torch's fused and capturable Adam on CUDA otherwise, torch's default on the CPU.
+    `sharded` (FSDP: each parameter a DTensor holding this rank's shard): torch's Adam, which runs on
+    DTensors (ours reads raw addresses, and its clip would need the norm's all-reduce between its
+    launches)."""
+    if sharded:
+        if device.type == "cuda":
+            return "torch-fused", ("torch's fused Adam over the parameter shards (FSDP: DTensors, which ours "
+                                   "cannot take; the clip's norm all-reduced by DTensor)")
+        return "torch", "torch's Adam over the parameter shards, one tensor at a time: on the CPU (FSDP)"
     if device.type != "cuda":
         return "torch", "torch's Adam (foreach): on the CPU"
     from scaffold.kernels.lib.device import interpreting, triton_importable
@@ -128,12 +136,16 @@ def keep_lr_on_device(optimizer: torch.optim.Optimizer) -> None:
             group["lr"] = torch.tensor(float(lr), device=device)
 
 
-def wants_graph(mode: str, device: torch.device, shards: int = 1) -> bool:
+def wants_graph(mode: str, device: torch.device, shards: int = 1, fsdp: bool = False) -> bool:
     """Whether a run captures its step (`cuda_graph`): auto/on on a CUDA device, in one process or under
     DDP (whose gradient all-reduce is captured with the step), with volumes not split over ranks (a
-    sharded step's halo exchanges run eagerly). `on` where that cannot be is a ConfigError, raised
-    before any work."""
-    possible = device.type == "cuda" and shards == 1
+    sharded step's halo exchanges run eagerly) and parameters not sharded (FSDP's all-gathers free and
+    refill the parameters' storage around each unit, eagerly). `on` where that cannot be is a
+    ConfigError, raised before any work."""
+    possible = device.type == "cuda" and shards == 1 and not fsdp
+    if mode == "on" and fsdp and device.type == "cuda" and shards == 1:
+        raise ConfigError("cuda_graph='on': expected parameters not sharded, got FSDP (parallel.fsdp; its "
+                          "all-gathers run eagerly): use cuda_graph=auto or off, or parallel.fsdp=off")
     if mode == "on" and not possible:
         where = f"{shards} spatial shards" if shards > 1 else f"device {device}"
         raise ConfigError(f"cuda_graph='on': expected a CUDA device and volumes not split over ranks, got "

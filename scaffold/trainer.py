@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from scaffold import checkpoint, determinism, distributed, spatial
+from scaffold import checkpoint, determinism, distributed, fsdp, spatial
 from scaffold.data.loader import make_input
 from scaffold.kernels.lib.ahead import compile_ahead
 from scaffold.metrics import hard_dice, per_sample_loss
@@ -245,12 +245,16 @@ class Trainer:
         self.n_classes = volumes.palette.shape[0]
         # The run's decisions (scaffold.plan): the autocast dtype, the optimizer's implementation and
         # whether it writes bf16 working copies of the conv weights. Without a plan (tests, tools), the
-        # plan's own rules applied to this model and device.
+        # plan's own rules applied to this model and device. FSDP (scaffold.fsdp): the parameters are
+        # shards, and every forward and backward runs collectives.
+        self.sharded = fsdp.is_sharded(model)
         if plan is not None:
             self.amp_dtype, self.optimizer_kind, self.working = plan.amp_dtype, plan.optimizer, plan.working_copies
         else:
-            self.amp_dtype, self.optimizer_kind = amp_dtype(cfg.precision, device), optimizer_kind(device)[0]
-            self.working = asks_working_copies(ddp_model is not None, 1 if self.shards is None else self.shards.count,
+            self.amp_dtype = amp_dtype(cfg.precision, device)
+            self.optimizer_kind = optimizer_kind(device, sharded=self.sharded)[0]
+            self.working = asks_working_copies(ddp_model is not None or self.sharded,
+                                               1 if self.shards is None else self.shards.count,
                                                getattr(model, "recompute", "off"))
         self.optimizer = make_optimizer(model, cfg, working=self.working, kind=self.optimizer_kind)
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
@@ -370,6 +374,10 @@ class Trainer:
                 seen = None if keep is None else (lambda logits, p=positions, m=masks: keep(p, m, logits))
                 loss, dice = self.eval_batch(model, masks, seen)
             out.index_copy_(1, positions, torch.stack([loss, dice]).float())
+        if self.sharded:  # every forward gathers: each rank runs as many batches as the busiest one
+            most = math.ceil(math.ceil(n / self.mesh.data_world) / bs)
+            for _ in range(most - math.ceil(mine.shape[0] / bs)):
+                self.eval_batch(model, self.vol.first(self.vol.val, 1))  # its values are dropped
         model.train()
         return out
 
@@ -383,6 +391,8 @@ class Trainer:
         cold start compiles in parallel); they only prime the caches, and the copy is thrown away."""
         if steps <= 0:
             return 0.0
+        if self.sharded:
+            return self._warmup_sharded(steps)
         t0 = time.perf_counter()
         rng = determinism.rng_state()
         net = copy.deepcopy(self.model)
@@ -405,6 +415,30 @@ class Trainer:
                 rows = torch.arange(k * bs, min((k + 1) * bs, len(split)))
                 run(self.vol.take(split, rows if self.vol.on_host else rows.to(split.device)))
         del net, step
+        determinism.set_rng_state(rng)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _warmup_sharded(self, steps: int) -> float:
+        """The warm-up under FSDP, on the model itself (a copy of a sharded model would be one more
+        set of shards and collectives): forwards and backwards of up to `steps` training batches, their
+        gradients dropped and no optimizer step, then up to `steps` validation batches. The parameters,
+        the optimizer and the RNG streams are untouched. Every rank runs the same batches (each pass
+        gathers); the kernels compile at their first launch."""
+        t0 = time.perf_counter()
+        rng = determinism.rng_state()
+        bs = self.cfg.batch_size
+        for split, train in ((self.vol.train, True), (self.vol.val, False)):
+            for k in range(min(steps, -(-len(split) // bs))):
+                rows = torch.arange(k * bs, min((k + 1) * bs, len(split)))
+                masks = self.vol.take(split, rows if self.vol.on_host else rows.to(split.device))
+                if train:
+                    self.train_step.forward_backward(masks)
+                    for p in self.train_step.leaves:
+                        p.grad = None
+                else:
+                    self.eval_batch(self.model, masks)
         determinism.set_rng_state(rng)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -456,10 +490,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ checkpoints
     def state(self, position: Optional[Position] = None) -> dict[str, Any]:
+        """What a checkpoint holds. Under FSDP a collective (every rank calls it): the unsharded model
+        and optimizer states are gathered on rank 0, in host memory (the other ranks' are empty)."""
+        if self.sharded:
+            model_state, optimizer_state = fsdp.full_state(self.model, self.optimizer)
+        else:
+            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         state = {
             "epoch": self.progress.epoch,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "rng": determinism.rng_state(),
             "progress": asdict(self.progress),
@@ -471,11 +511,15 @@ class Trainer:
 
     def load_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
         try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as e:  # another model's checkpoint: torch lists every mismatch, one per line
+            if self.sharded:  # each rank keeps its shard of the unsharded state (a collective)
+                fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            else:
+                self.model.load_state_dict(state["model"])
+        except (RuntimeError, KeyError) as e:  # another model's checkpoint: torch lists every mismatch
             raise checkpoint.CheckpointError(f"{source}: holds a different model than this config builds "
                                              f"({_first_mismatch(e)})") from None
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not self.sharded:
+            self.optimizer.load_state_dict(state["optimizer"])
         keep_lr_on_device(self.optimizer)  # the captured step reads the rate from that tensor
         fresh = list(self.scheduler.base_lrs)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -588,9 +632,12 @@ class Trainer:
             # then the snapshot and any wait for the previous write. The write itself runs in the
             # background during the next epoch.
             p.wall_time += time.perf_counter() - wall0
-            if due and self.place.is_main:
+            if due and (self.place.is_main or self.sharded):  # FSDP: every rank gathers the state
                 t0 = time.perf_counter()
-                self.writer.submit(self.state(), is_best)  # queued behind a write in flight, if any
+                state = self.state()
+                if self.place.is_main:
+                    self.writer.submit(state, is_best)  # queued behind a write in flight, if any
+                del state
                 spent = time.perf_counter() - t0
                 self.submit_s += spent
                 p.wall_time += spent
@@ -629,8 +676,9 @@ class Trainer:
         pos = Position(epoch, tr.samples, tr.steps, loss, dice, time.perf_counter() - t0,
                        time.process_time() - cpu0)
         self.writer.flush()
+        state = self.state(pos) if self.place.is_main or self.sharded else None  # FSDP: every rank gathers
         if self.place.is_main:
-            checkpoint.save(ckpt_dir / checkpoint.LAST, self.state(pos))
+            checkpoint.save(ckpt_dir / checkpoint.LAST, state)
         distributed.barrier(self.place)  # the position is on the disk before any rank reports it
         name = signal.Signals(self.stop.signum).name
         raise Interrupted(self.stop.signum, f"interrupted by {name}: epoch {epoch} stopped after {tr.steps} "

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 import scaffold
-from scaffold import checkpoint, determinism, distributed, report, rundir, spatial
+from scaffold import checkpoint, determinism, distributed, fsdp, report, rundir, spatial
 from scaffold.config import ConfigError
 from scaffold.files import write_json
 from scaffold.plan import RunPlan, device_kind, resolve, roomy_allocator, validate
@@ -174,6 +174,7 @@ class Job:
     model: Any = None
     ddp: Any = None
     n_params: int = 0
+    fingerprint: str = ""  # FSDP: of the whole parameters this rank sharded
     stats: Optional[StatsFile] = None
     tracker: Any = None
     original_overrides: list[str] = field(default_factory=list)
@@ -350,13 +351,16 @@ def _build(job: Job, stop: StopRequest) -> None:
 
 
 def _trainer(job: Job, loss_fn: Any, volumes: Volumes, stop: StopRequest) -> None:
-    """DDP where the plan says, the loss over a split volume, the trainer, and the census after the
-    first step."""
+    """DDP or FSDP where the plan says, the loss over a split volume, the trainer, and the census after
+    the first step."""
     from scaffold.model.flops import config_step_flops
 
     cfg, place, plan, sg, model = job.cfg, job.place, job.plan, job.mesh.shards, job.model
     ddp = None
-    if plan.data_parallel:
+    if plan.fsdp:  # parameters, gradients and Adam state sharded over the ranks: no DDP
+        job.fingerprint = distributed.fingerprint(model.parameters())  # what this rank shards (_records)
+        fsdp.shard_model(model, plan.device.type)
+    elif plan.data_parallel:
         ddp = data_parallel(model, plan)
     step_loss = loss_fn.split(partial(spatial.all_sum, sg=sg)) if sg is not None else loss_fn
     trainer = Trainer(cfg, model, step_loss, volumes, plan.device, job.run_dir, place, ddp, mesh=job.mesh,
@@ -442,7 +446,11 @@ def _records(job: Job) -> None:
     job.state = None
     # Every rank starts from the same parameters (DDP also broadcasts rank 0's at construction).
     if place.world > 1:
-        start = distributed.fingerprint(job.model.parameters())
+        if job.plan.fsdp:  # each rank's shards are cut from its own whole tensors: compare those (its
+            # initialization, or the checkpoint it read); gathered ones would agree whatever they were
+            start = distributed.fingerprint(state["model"].values()) if state else job.fingerprint
+        else:
+            start = distributed.fingerprint(job.model.parameters())
         log.debug("rank %d: parameter fingerprint at start %s", place.rank, start)
         distributed.check_same(start, "the parameter fingerprint at start", place)
 
@@ -455,8 +463,9 @@ def _start(job: Job) -> None:
     buckets = trainer.settle_buckets()  # DDP's gradient buckets in one order on every launch
     warm = trainer.warmup(cfg.warmup_steps)
     if cfg.warmup_steps:
-        log.info("warm-up: up to %d training and %d validation batches on a copy of the model, %.1f s",
-                 cfg.warmup_steps, cfg.warmup_steps, warm)
+        log.info("warm-up: up to %d training and %d validation batches on %s, %.1f s", cfg.warmup_steps,
+                 cfg.warmup_steps, "the model itself, no optimizer step (FSDP)" if plan.fsdp else
+                 "a copy of the model", warm)
     captured = trainer.capture(required=plan.graph_required) if plan.cuda_graph else 0.0
     if trainer.train_step.graph is not None:
         log.info("step captured as a CUDA graph (forward, loss, backward, clip, Adam), %.1f s", captured)

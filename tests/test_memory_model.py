@@ -85,8 +85,9 @@ def test_auto_turns_recompute_on_when_the_run_would_not_fit(tmp_path):
 
 def test_the_scale_check_names_the_shard_count_it_would_need(tmp_path, monkeypatch):
     """scale 11 on 140 GiB devices. With 6 levels (model.bottleneck=5) refused in one line that names a
-    shard count, and accepted at it; with the default 8 levels the model alone (23 G parameters) does
-    not fit on one device however the volume is split, and the line says what to change."""
+    shard count, and accepted at it; with the default 8 levels and the parameters replicated
+    (parallel.fsdp=off) the model alone (23 G parameters) does not fit on one device however the
+    volume is split, and the line says what to change (tests/test_fsdp.py: what FSDP changes)."""
     monkeypatch.setattr(run_plan, "target_device", lambda setting: "cuda:0")
     monkeypatch.setattr(run_plan, "device_memory",
                         lambda where, query_free=True: memory.DeviceMemory("cuda:0 (test)", 140 * memory.GiB,
@@ -102,7 +103,7 @@ def test_the_scale_check_names_the_shard_count_it_would_need(tmp_path, monkeypat
     with pytest.raises(ConfigError):
         validate(tiny_cfg(tmp_path, *big, f"parallel.spatial_shards={shards // 2}"))
     with pytest.raises(ConfigError, match="raise model.bottleneck"):
-        validate(tiny_cfg(tmp_path, *big, "model.bottleneck=3", "parallel.spatial_shards=1024"))
+        validate(tiny_cfg(tmp_path, *big, "model.bottleneck=3", "parallel.spatial_shards=1024", "parallel.fsdp=off"))
 
 
 def test_small_runs_pass_the_scale_check_on_this_machine(tmp_path):

@@ -6,6 +6,11 @@ the shapes alone) beside the peak torch.cuda.max_memory_allocated measures over 
 scaffold.bench.minibatch (the trainer's own TrainStep, counted from before the model is built, its 4
 volumes of masks included), and their ratio. The model's stated accuracy is 15%. On the CPU only the
 predictions are printed (no allocator to read).
+
+`python -m scaffold.bench.memory --fit 11 --bottleneck 3 --device-gib 140` instead asks the model where a
+scale fits: per spatial shard count, a rank's need with the parameters, gradients and Adam state
+replicated (DDP) and sharded over the ranks (FSDP, as many ranks as shards), bf16 and recompute as the
+trainer would run it, and the fewest shards that fit (strictly, and within the scale check's tolerance).
 """
 from __future__ import annotations
 
@@ -28,8 +33,52 @@ def predicted(variant: str, scale: int, width: int, device: str) -> float:
     return estimate(shape, evaluate=False).max_allocated / GiB
 
 
+def fit_table(scale: int, bottleneck: int, capacity_gib: float, width: int = 64) -> list[dict]:
+    """Per shard count (powers of two up to the volume's depth): a rank's predicted need (GiB) with the
+    state replicated and with FSDP over as many ranks, the FSDP units whole at once, and the verdicts."""
+    from dataclasses import replace
+
+    from scaffold.model.memory import TOLERANCE, param_count
+
+    capacity = capacity_gib * GiB
+    base = StepShape(scale, bottleneck, width, recompute="blocks", data_parallel=True)
+    rows = []
+    n = 1
+    while n <= 2**scale:
+        repl = estimate(replace(base, depth_shards=n), warmup=True)
+        fsdp = None if n == 1 else estimate(replace(base, depth_shards=n, fsdp_world=n, data_parallel=False),
+                                            warmup=True)
+        row = {"shards": n, "replicated_gib": repl.need / GiB}
+        if fsdp is not None:
+            row.update(fsdp_gib=fsdp.need / GiB, gathered_gib=fsdp.gathered / GiB,
+                       fsdp_fits=fsdp.need <= capacity, fsdp_passes_check=fsdp.need * (1 - TOLERANCE) <= capacity)
+        row.update(replicated_fits=repl.need <= capacity,
+                   replicated_passes_check=repl.need * (1 - TOLERANCE) <= capacity)
+        rows.append(row)
+        n *= 2
+    rows[0]["parameters"] = param_count(scale, bottleneck, width)
+    return rows
+
+
+def print_fit(rows: list[dict], scale: int, bottleneck: int, capacity_gib: float) -> None:
+    first = lambda key: next((r["shards"] for r in rows if r.get(key)), None)  # noqa: E731
+    print(f"scale {scale}, {scale - bottleneck} levels ({rows[0]['parameters'] / 1e9:.1f} G parameters), bf16, "
+          f"recompute, batch 1, on {capacity_gib:g} GiB devices: a rank's need in GiB")
+    print(f"{'shards':>6} {'replicated':>10} {'FSDP':>8} {'whole units at most':>20}")
+    for r in rows:
+        f = f"{r['fsdp_gib']:8.1f} {r['gathered_gib']:20.1f}" if "fsdp_gib" in r else f"{'-':>8} {'-':>20}"
+        print(f"{r['shards']:>6} {r['replicated_gib']:>10.1f} {f}")
+    for what, key in (("replicated (DDP)", "replicated"), ("FSDP over as many ranks", "fsdp")):
+        fits, passes = first(f"{key}_fits"), first(f"{key}_passes_check")
+        print(f"{what}: fits from {fits or 'no'} shards; passes the scale check (15% tolerance) from "
+              f"{passes or 'no'} shards")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fit", type=int, metavar="SCALE", help="where SCALE fits (shapes only, no device)")
+    ap.add_argument("--bottleneck", type=int, default=3)
+    ap.add_argument("--device-gib", type=float, default=140.0)
     ap.add_argument("--scales", type=int, nargs="+", default=[6, 7, 8])
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--variants", default="ladder,graphed,ladder+recompute,graphed+recompute")
@@ -37,6 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", default="bench_results/memory.json")
     args = ap.parse_args(argv)
+    if args.fit is not None:
+        rows = fit_table(args.fit, args.bottleneck, args.device_gib, args.width)
+        print_fit(rows, args.fit, args.bottleneck, args.device_gib)
+        write_json(args.out, {"fit": args.fit, "bottleneck": args.bottleneck, "device_gib": args.device_gib,
+                              "rows": rows})
+        return 0
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     determinism.configure("default")

@@ -24,6 +24,11 @@ so with U = N·D·H·W·w_0 bytes (level 0, bf16) the kept activations are about
 plus bf16 copies of the conv weights (2 B per parameter, off only). At scale 8 (U = 1 GiB, 361 M
 parameters) that is the measured 29 GiB of the graphed step; at scale 9 (U = 8 GiB) about 220 GiB.
 
+Under FSDP (`StepShape.fsdp_world` ranks, scaffold.fsdp) the parameters, their gradients and Adam's
+moments are each 1/W per rank, there are no DDP buckets, working copies or warm-up copy, and the units
+being all-gathered are whole while their ops run (`fsdp_units`, `fsdp_whole`: the running unit's
+parameters, in the backward its gradients too, and its two neighbours), counted op by op in the walk.
+
 Three other things hold memory: a CUDA graph keeps its pool (the step's activation peak) reserved
 between replays, so what runs outside the graph (Adam's temporaries, the evaluation forward) comes on
 top; the trainer keeps every mask of the dataset on the device; and its warm-up runs on a copy of the
@@ -78,6 +83,8 @@ class StepShape:
     # while its edge has at least one plane per shard; deeper levels run whole on every shard)
     fuse_head: bool = True  # the model fuses its last GroupNorm with the head (UNet3d.fuse_head)
     head_on_vendor: bool = False  # the 1x1x1 head forced to vendor (ladder.conv=vendor): not fused
+    fsdp_world: int = 1  # parameters, gradients and Adam state sharded over this many ranks (FSDP2,
+    # parallel.fsdp); 1: replicated. Each U-Net block (and the root) is a unit, whole while it runs.
 
     @property
     def working(self) -> bool:
@@ -88,8 +95,8 @@ class StepShape:
     @property
     def rooms(self) -> bool:
         """Whether each skip is written with room for its concat's other half (UNet3d._skip_rooms): our
-        rungs, no recompute, volumes not split."""
-        return self.fused and self.recompute == "off" and self.depth_shards == 1
+        rungs, no recompute, volumes not split, parameters not sharded."""
+        return self.fused and self.recompute == "off" and self.depth_shards == 1 and self.fsdp_world == 1
 
     @property
     def head_to_block(self) -> bool:
@@ -151,6 +158,44 @@ def param_count(scale: int, bottleneck: int = 3, base_width: int = 64, in_channe
     return n + base_width * n_classes + n_classes
 
 
+def fsdp_units(scale: int, bottleneck: int = 3, base_width: int = 64, in_channels: int = 3,
+               n_classes: int = 6) -> list[int]:
+    """Parameters of each FSDP unit in the order the forward runs them: the stem, the Down blocks, the
+    Up blocks (deepest first), then the root's own (the 1x1x1 head). They sum to `param_count`."""
+    widths = [base_width * 2**i for i in range(scale - bottleneck + 1)]
+    downs = [_double_conv_params(lo, hi) for lo, hi in zip(widths, widths[1:])]
+    ups = [hi * lo * 8 + lo + _double_conv_params(hi, lo) for lo, hi in zip(widths, widths[1:])]
+    return [_double_conv_params(in_channels, base_width), *downs, *reversed(ups),
+            base_width * n_classes + n_classes]
+
+
+def fsdp_whole(units: list[int], backward: bool = True) -> list[int]:
+    """Bytes of unsharded (all-gathered, fp32) units alive while an op of each unit runs: [the root's
+    ops, unit 0's, unit 1's, ...]. In the forward the running unit and the next one, whose all-gather is
+    issued ahead; in the backward the running unit's parameters and its unsharded gradients, the unit
+    before it prefetched, and the unit after it, whose gradients may still be in their reduce-scatter.
+    The root's (the head) stay whole throughout."""
+    *blocks, root = units
+    out = [4 * root]
+    for i, n in enumerate(blocks):
+        before = blocks[i - 1] if i > 0 else 0
+        after = blocks[i + 1] if i + 1 < len(blocks) else 0
+        out.append(4 * (root + (2 * n + before + after if backward else n + after)))
+    return out
+
+
+def fsdp_gathered(units: list[int], backward: bool = True) -> int:
+    """The most bytes of whole units alive at once (fsdp_whole's worst unit)."""
+    return max(fsdp_whole(units, backward))
+
+
+def _whole(s: "StepShape", backward: bool) -> Optional[list[int]]:
+    """fsdp_whole of the step's units under FSDP; None when the parameters are replicated."""
+    if s.fsdp_world <= 1:
+        return None
+    return fsdp_whole(fsdp_units(s.scale, s.bottleneck, s.base_width, s.in_channels, s.n_classes), backward)
+
+
 # --- the step as a list of operations -------------------------------------------------------------
 
 @dataclass(eq=False)
@@ -170,6 +215,7 @@ class _Op:
     grad_temp: int = 0  # bytes written in the backward and dropped (a bf16 weight gradient before its cast)
     work: int = 0  # transient bytes inside the forward
     segment: Optional[int] = None  # recompute segment (a checkpointed DoubleConv)
+    unit: Optional[int] = None  # FSDP unit (fsdp_units' index) whose parameters it reads; None: the root's
 
 
 class _Builder:
@@ -180,11 +226,15 @@ class _Builder:
         self.a = 2 if s.amp else 4  # bytes per activation element
         self.g = 2 if s.working else 4  # bytes per element of a conv weight's gradient
         self.cast = s.amp and not s.working  # each weight cast in the step (and its gradient back)
+        self.shards = max(1, s.fsdp_world)  # FSDP keeps 1/shards of each parameter gradient
         self.segment: Optional[int] = None
+        self.unit: Optional[int] = None  # the FSDP unit of the ops appended (fsdp_units' index)
         self.n_segments = 0
 
     def op(self, ins, outs, **kw) -> None:
-        self.ops.append(_Op(tuple(ins), tuple(outs), segment=self.segment, **kw))
+        if kw.get("param_grad"):  # under FSDP the unit's whole gradients are counted apart (gathered)
+            kw["param_grad"] = -(-kw["param_grad"] // self.shards)
+        self.ops.append(_Op(tuple(ins), tuple(outs), segment=self.segment, unit=self.unit, **kw))
 
     def act(self, channels: int, level: int, nbytes: Optional[int] = None, grad: bool = True,
             whole: bool = False, halo: bool = False) -> _T:
@@ -372,13 +422,17 @@ def _step_ops(s: StepShape) -> tuple[list[_Op], set, _T, _T]:
     def room(level: int) -> int:  # a skip's room for its concat's other half (UNet3d._skip_rooms)
         return widths[level] if s.rooms and level < s.levels else 0
 
+    b.unit = 0  # FSDP units as scaffold.fsdp makes them: the stem, each Down's DoubleConv, each Up
     h = b.double_conv(x, s.in_channels, widths[0], 0, block, cast_input=s.amp, room=room(0))
     skips = []
     for level in range(1, s.levels + 1):
         skips.append(h)
-        h = b.double_conv(b.pool(h, widths[level - 1], level), widths[level - 1], widths[level], level, block,
-                          room=room(level))
+        b.unit = None
+        pooled = b.pool(h, widths[level - 1], level)
+        b.unit = level
+        h = b.double_conv(pooled, widths[level - 1], widths[level], level, block, room=room(level))
     for level in reversed(range(s.levels)):
+        b.unit = 2 * s.levels - level
         whole = on and level > 0  # below full resolution the whole Up level is one segment
         b.begin(whole)
         up = b.conv_transpose(h, widths[level + 1], widths[level], level)
@@ -390,6 +444,7 @@ def _step_ops(s: StepShape) -> tuple[list[_Op], set, _T, _T]:
                           head=head)
         if whole:
             b.end()
+    b.unit = None
     logits = h if s.head_to_block else b.conv(h, widths[0], s.n_classes, 0, taps=1, bias=True)
     b.loss(logits, labels)
     return b.ops, {x, logits, labels}, x, logits
@@ -407,6 +462,10 @@ class _Live:
 
     def free(self, n: int) -> None:
         self.now -= n
+
+    def touch(self, extra: int) -> None:
+        """`extra` bytes alive for a moment on top of what is allocated (FSDP's whole units)."""
+        self.peak = max(self.peak, self.now + extra)
 
 
 @dataclass(frozen=True)
@@ -430,10 +489,12 @@ def _segment_inputs(ops: list[_Op], idx: list[int]) -> set:
     return {t for i in idx for t in ops[i].ins if t not in made}
 
 
-def _forward(ops: list[_Op], keep: set, holders: dict, live: _Live, idx=None) -> None:
+def _forward(ops: list[_Op], keep: set, holders: dict, live: _Live, idx=None,
+             whole: Optional[list[int]] = None) -> None:
     """Runs ops (all, or those of `idx`) forward: outputs allocated, and a tensor freed after its last
     use in this run unless something holds it (`holders`: tensor -> savers not yet released) or the
-    step keeps it (`keep`)."""
+    step keeps it (`keep`). `whole[u + 1]`: FSDP's whole units' bytes while an op of unit u runs
+    (whole[0]: the root's ops)."""
     idx = list(range(len(ops))) if idx is None else idx
     last = {t: i for i in idx for t in ops[i].ins}
     freed: set = set()
@@ -443,6 +504,8 @@ def _forward(ops: list[_Op], keep: set, holders: dict, live: _Live, idx=None) ->
             live.alloc(t.nbytes)
         live.alloc(op.work)
         live.free(op.work)
+        if whole:
+            live.touch(whole[0 if op.unit is None else op.unit + 1])
         for t in dict.fromkeys((*op.ins, *op.outs)):
             dead = last.get(t, i) <= i and holders.get(t, 0) <= 0 and t not in keep
             if dead and t not in freed:
@@ -468,13 +531,13 @@ def walk(s: StepShape) -> Walk:
         for t in inputs:
             holders[t] = holders.get(t, 0) + 1
     live = _Live()
-    _forward(ops, keep, holders, live)
+    _forward(ops, keep, holders, live, whole=_whole(s, backward=False))
     held = {t for t, n in holders.items() if n > 0}
     saved = sum(t.nbytes for t in held)
     forward_peak = live.peak
 
     live.peak = live.now
-    _backward(ops, keep, holders, segments, seg_inputs, logits, live)
+    _backward(ops, keep, holders, segments, seg_inputs, logits, live, _whole(s, backward=True))
     return Walk(saved, forward_peak, live.peak, _eval_peak(s))
 
 
@@ -484,7 +547,8 @@ def _release(t: _T, holders: dict, keep: set, live: _Live) -> None:
         live.free(t.nbytes)
 
 
-def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live) -> None:
+def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live,
+              whole: Optional[list[int]] = None) -> None:
     grads: set = set()
     done_segments: set = set()
     for i in reversed(range(len(ops))):
@@ -492,7 +556,7 @@ def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live) -> 
         k = op.segment
         if k is not None and k not in done_segments:  # first backward into a segment: recompute it
             done_segments.add(k)
-            _recompute(ops, segments[k], keep, holders, live)
+            _recompute(ops, segments[k], keep, holders, live, whole)
         for t in op.ins:
             if not t.grad:
                 continue
@@ -501,6 +565,8 @@ def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live) -> 
                 live.free(t.nbytes)
             grads.add(t)
         live.alloc(op.param_grad + op.grad_temp)
+        if whole:
+            live.touch(whole[0 if op.unit is None else op.unit + 1])
         live.free(op.grad_temp)
         for t in op.outs:
             if t in grads:
@@ -513,20 +579,21 @@ def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live) -> 
                 _release(t, holders, keep, live)
 
 
-def _recompute(ops, idx: list[int], keep: set, holders: dict, live: _Live) -> None:
+def _recompute(ops, idx: list[int], keep: set, holders: dict, live: _Live,
+               whole: Optional[list[int]] = None) -> None:
     """A segment's forward again, keeping what its ops save; torch stops after the last op that saves
     something, so that op's output is made and dropped at once."""
     for i in idx:
         for t in ops[i].saved:
             holders[t] = holders.get(t, 0) + 1
-    _forward(ops, keep, holders, live, idx)
+    _forward(ops, keep, holders, live, idx, whole)  # inside the unit's backward: its gathered bytes
 
 
 def _eval_peak(s: StepShape) -> int:
     """A forward under no_grad, then the validation loss and Dice (torch's ops, fp32 over the logits)."""
     ops, keep, _, _ = _step_ops(replace(s, recompute="off", fused=True))
     live = _Live()
-    _forward(ops[:-1], keep, {}, live)
+    _forward(ops[:-1], keep, {}, live, whole=_whole(s, backward=False))
     c, v = s.n_classes, s.voxels(0)
     live.alloc(4 * c * v + c * v + 3 * 4 * v + 4 * (c - 1) * v)  # log-probs, one-hot, NLL terms, probs
     return live.peak
@@ -549,6 +616,8 @@ class Estimate:
     evaluate: bool = True  # the run evaluates (a forward without autograd) between epochs
     warmup_copy: int = 0  # the trainer's warm-up runs on a copy of the model and its optimizer
     working_copies: int = 0  # bf16 working copies of the conv weights, kept between steps
+    gathered: int = 0  # FSDP: the most bytes of whole units at once (fsdp_gathered; in the walk's peaks)
+    gathered_eval: int = 0  # FSDP: the same in a forward without autograd (evaluation)
 
     @property
     def data(self) -> int:
@@ -565,7 +634,8 @@ class Estimate:
 
     @property
     def step_peak(self) -> int:
-        """Live bytes at the step's peak with Adam's state present (every step after the first)."""
+        """Live bytes at the step's peak with Adam's state present (every step after the first); under
+        FSDP the whole units are in the walk's peaks, op by op."""
         return self.static + self.activation_peak
 
     @property
@@ -596,7 +666,7 @@ class Estimate:
         """The terms in GiB, for a table or a JSON record."""
         return {k: v / GiB for k, v in (
             ("params", self.params), ("grads", self.grads), ("adam", self.adam), ("buckets", self.buckets),
-            ("data", self.data),
+            ("data", self.data), ("gathered", self.gathered),
             ("saved", self.saved), ("forward_peak", self.walk.forward_peak),
             ("backward_peak", self.walk.backward_peak), ("eval_peak", self.walk.eval_peak),
             ("step_peak", self.step_peak), ("max_allocated", self.max_allocated), ("need", self.need))}
@@ -606,6 +676,17 @@ def estimate(s: StepShape, evaluate: bool = True, warmup: bool = False) -> Estim
     """The step's memory for a shape; `evaluate` counts the evaluation forward, `warmup` the trainer's
     warm-up copy of the model and optimizer."""
     p = param_count(s.scale, s.bottleneck, s.base_width, s.in_channels, s.n_classes)
+    if s.fsdp_world > 1:
+        # FSDP: each rank keeps 1/W of the parameters, their gradients and Adam's moments (no DDP
+        # buckets, no working copies); the units it runs are whole while they run (fsdp_gathered); the
+        # warm-up runs on the model itself (no copy). torch's Adam over the shards: foreach's (or the
+        # fused one's) temporary is a shard's moment on CUDA, one local tensor at a time on the CPU.
+        w = s.fsdp_world
+        units = fsdp_units(s.scale, s.bottleneck, s.base_width, s.in_channels, s.n_classes)
+        shard = -(-4 * p // w)
+        temp = shard if s.device == "cuda" else -(-4 * _largest_param(s) // w)
+        return Estimate(s, shard, shard, 2 * shard, temp, walk(s), 0, evaluate, 0, 0,
+                        fsdp_gathered(units), fsdp_gathered(units, backward=False))
     # torch's Adam: foreach on CUDA (a temporary the size of one moment); one tensor at a time on CPU.
     # Ours with working copies (scaffold.kernels.adam) updates in place: no temporary; the copies are
     # 2 bytes a parameter, and so are the gradients (the GroupNorms' few are fp32: counted as bf16).

@@ -45,6 +45,9 @@ class UNet3d(nn.Module):
         # attribute, outside the state dict (the run's plan decides it; bench.minibatch's +separatehead
         # turns it off).
         self.fuse_head = fuse_head
+        # Activations in channels-last (NDHWC): set by to_device on CUDA. Read by forward, not from the
+        # weights' layout alone: sharded parameters (scaffold.fsdp) keep torch's default layout.
+        self.channels_last = False
 
     def set_recompute(self, mode) -> "UNet3d":
         """`off` or `blocks` (True/False too); the same bits either way. `blocks`: the stem's and each
@@ -87,6 +90,7 @@ class UNet3d(nn.Module):
         self.to(device)
         if device.type == "cuda":
             self.to(memory_format=torch.channels_last_3d)
+            self.channels_last = True
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +100,7 @@ class UNet3d(nn.Module):
         if x.dim() != 5 or any(s % edge for s in whole):
             raise ValueError(f"UNet3d input: expected (N, C, D, H, W) with D, H, W multiples of {edge}, "
                              f"got {tuple(x.shape)}")
-        if self.inc.conv1.weight.is_contiguous(memory_format=torch.channels_last_3d):
+        if self.channels_last or self.inc.conv1.weight.is_contiguous(memory_format=torch.channels_last_3d):
             x = x.contiguous(memory_format=torch.channels_last_3d)
         rooms = self._skip_rooms(shards)
         skips = []
