@@ -246,13 +246,17 @@ def test_a_failing_rank_ends_a_sharded_job_within_a_bound(fault, cache, tmp_path
 # ---------------------------------------------------------------- on a GPU, before a multi-GPU machine
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision, bound", [("fp32", 1e-4), ("bf16", 3e-2)])
-def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, bound, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, tmp_path):
     """The sharded step on the GPU's own rungs (Triton convolutions on halo'd slabs), 2 ranks on one
-    GPU over gloo (exchanges staged through host memory), against one process on the same GPU: the
-    logits within `bound` of their largest magnitude, each gradient within `bound` of its largest
-    magnitude (fp32: summation order only; bf16: activations rounded where the two differ), the hard
-    Dice's counts exact in fp32. Prints the agreement and each rank's peak memory."""
+    GPU over gloo (exchanges staged through host memory), against one process on the same GPU.
+    fp32 (summation order only): the logits within 1e-4 of their largest; the gradients against a
+    float64 reference of the same step (on the CPU), the sharded step's worst error at most twice the
+    one process's (both measured against the model's largest gradient: at 64^3 with random labels
+    the deep layers' gradients are sums that cancel to ~1e-3 of the largest, so each tensor's own
+    largest is no yardstick for rounding); the hard Dice's counts exact. bf16 (activations rounded
+    where the two differ): logits and each gradient within 3e-2 of their own largest. Prints the
+    agreement and each rank's peak memory."""
     from helpers import torchrun as launch
     from spatial_case import case
 
@@ -282,11 +286,26 @@ def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, bound, tmp
     whole_peak = torch.cuda.max_memory_allocated(dev) - base
     logits = logits.detach().float().cpu()
     err = (got["logits"].float() - logits).abs().max().item() / logits.abs().max().item()
-    worst = max(((got["grads"][n] - p.grad.cpu()).abs().max().item() / p.grad.abs().max().item(), n)
-                for n, p in model.named_parameters())
-    print(f"\n{precision}: logits off by {err:.2e} of their largest, worst gradient {worst[1]} off by "
-          f"{worst[0]:.2e} of its largest; peak memory per rank {[b / 2**20 for b in got['peak_bytes']]} MiB, "
-          f"one process {whole_peak / 2**20:.1f} MiB")
-    assert err <= bound and worst[0] <= bound
-    if precision == "fp32":
-        assert torch.equal(got["hard_dice"], hard_dice(logits, labels.cpu(), loss_fn.n_classes))
+    one = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    peaks = f"peak memory per rank {[b / 2**20 for b in got['peak_bytes']]} MiB, one process {whole_peak / 2**20:.1f} MiB"
+    if precision == "bf16":
+        worst = max(((got["grads"][n] - g).abs().max().item() / g.abs().max().item(), n) for n, g in one.items())
+        print(f"\nbf16: logits off by {err:.2e} of their largest, worst gradient {worst[1]} off by "
+              f"{worst[0]:.2e} of its largest; {peaks}")
+        assert err <= 3e-2 and worst[0] <= 3e-2
+        return
+    ref_model, ref_loss, ref_x, ref_labels = case(scale, bottleneck=bottleneck)
+    ref_model, ref_loss = ref_model.double(), ref_loss.double()
+    ref_loss.terms(ref_model(ref_x.double()), ref_labels)[0].backward()
+    ref = {n: p.grad for n, p in ref_model.named_parameters()}
+    top = max(g.abs().max().item() for g in ref.values())
+
+    def worst_of(grads):
+        return max(((grads[n].double() - g).abs().max().item() / top, n) for n, g in ref.items())
+
+    sharded, single = worst_of(got["grads"]), worst_of(one)
+    print(f"\nfp32: logits off by {err:.2e} of their largest; against float64, of the largest gradient: "
+          f"sharded {sharded[0]:.2e} ({sharded[1]}), one process {single[0]:.2e} ({single[1]}); {peaks}")
+    assert err <= 1e-4
+    assert sharded[0] <= 2 * single[0] + 1e-7, (sharded, single)
+    assert torch.equal(got["hard_dice"], hard_dice(logits, labels.cpu(), loss_fn.n_classes))
