@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,16 +24,10 @@ SMALL = ["scale=4", "model.bottleneck=2", "model.base_width=8", "model.groups=4"
          "device=cpu"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("-m", "scaffold.train")
              ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_port()}", *entry, *args]
+           "--standalone", *entry, *args]
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "TRITON_INTERPRET": "1", "HOME": str(cwd)}
     try:

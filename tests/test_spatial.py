@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +19,10 @@ from scaffold.stats import read_rows
 LAUNCH_TIMEOUT = 240
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("-m", "scaffold.train")
              ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_port()}", *entry, *args]
+           "--standalone", *entry, *args]
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "TRITON_INTERPRET": "1", "HOME": str(cwd)}
     try:
@@ -233,7 +226,7 @@ def test_a_failing_rank_ends_a_sharded_job_within_a_bound(fault, cache, tmp_path
     import time
 
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
            str(REPO / "tests" / "faults.py"), f"{fault}=1@2", *TINY, "epochs=2", f"data.cache_dir={cache}",
            f"hydra.run.dir={tmp_path / 'run'}", "parallel.spatial_shards=2", "parallel.timeout_s=60"]
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
