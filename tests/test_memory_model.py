@@ -176,12 +176,13 @@ def test_the_recompute_line_gives_the_eager_need_where_a_graph_would_not_fit(tmp
 
 @pytest.mark.parametrize("scale, shards, amp, recompute", [
     (4, 2, False, "off"), (4, 4, True, "off"), (3, 4, False, "off"), (4, 2, True, "blocks"),
-    (4, 8, True, "off")])
+    (4, 8, True, "off"), (4, 16, False, "off")])
 def test_the_saved_bytes_of_a_sharded_step_are_what_autograd_saves(scale, shards, amp, recompute, tmp_path):
-    """Exact, per rank, for volumes split over 2, 4 or 8 gloo ranks: the slabs with their halo planes,
+    """Exact, per rank, for volumes split over 2, 4, 8 or 16 gloo ranks: the slabs with their halo planes,
     D-and-H blocks with their halo planes and rows where D runs out (scale 3 over 4 ranks: 2 x 2 at
     level 2), the moves between the two splits, the levels too small for either kept whole on every
-    rank (scale 4 over 8: level 3), the gather where the split ends and the cut on the way up."""
+    rank (scale 4 over 8: level 3), the gather where the split ends and the cut on the way up, the
+    compact 4 x 4 blocks below one-plane slabs (scale 4 over 16)."""
     from test_spatial import torchrun
 
     from helpers import REPO

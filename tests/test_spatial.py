@@ -36,7 +36,8 @@ def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("
 # ------------------------------------------------------------------------------------------ the step
 
 @pytest.mark.parametrize("scale, bottleneck, shards, norm", [(4, 2, 2, "auto"), (4, 2, 4, "auto"),
-                                                             (3, 1, 4, "triton"), (4, 1, 8, "auto")])
+                                                             (3, 1, 4, "triton"), (4, 1, 8, "auto"),
+                                                             (4, 2, 16, "auto")])
 def test_a_sharded_step_matches_one_process(scale, bottleneck, shards, norm, tmp_path):
     """Forward output, loss, per-sample losses, hard Dice and every parameter gradient of a step whose
     volumes are split over 2 or 4 ranks, against the same step in one process (fp32, batch 2).
@@ -68,6 +69,29 @@ def test_a_sharded_step_matches_one_process(scale, bottleneck, shards, norm, tmp
         scale = p.grad.abs().max().item()
         err = (got["grads"][name] - p.grad).abs().max().item()
         assert err <= 1e-4 * scale, f"{name}: gradient off by {err:.3g} (largest {scale:.3g})"
+
+
+def test_one_plane_slabs_give_way_to_the_most_compact_blocks():
+    """Full resolution is always D slabs (the data's); deeper, D slabs while they keep two planes, then
+    the D x H blocks whose halo adds least (scale 11 over 256 ranks: 16 x 16 from level 3, where D then
+    H gave one-plane slabs, 3x their input, and a move between splits at every level below), ties kept
+    at the level above's split; a level with fewer voxels on a face than ranks runs whole."""
+    from scaffold.model.grid import Grid, level_grids
+
+    def grids(scale, levels, count):
+        return [None if g is None else (g.pd, g.ph) for g in level_grids(scale, levels, count)]
+
+    assert grids(11, 8, 256) == [(256, 1)] * 3 + [(16, 16)] * 5 + [None]
+    assert grids(11, 7, 128) == [(128, 1)] * 4 + [(16, 8)] * 4
+    assert grids(4, 2, 16) == [(16, 1), (4, 4), (4, 4)]  # (8, 2) halves: 4.5x against 4x
+    assert grids(4, 3, 8) == [(8, 1), (8, 1), (4, 2), None]  # ties (3x at level 1) stay D slabs
+    assert grids(9, 6, 4) == [(4, 1)] * 7
+    for scale, levels, count in [(11, 8, 256), (11, 7, 128), (6, 4, 32), (4, 2, 16)]:
+        for level, g in enumerate(level_grids(scale, levels, count)):
+            if g is not None:  # every block keeps a plane and a row, and the pool's halving stays local
+                edge = 2 ** (scale - level)
+                assert g.pd * g.ph == count and edge % g.pd == 0 and edge % g.ph == 0
+    assert level_grids(4, 1, 4)[0] == Grid(4, 1)
 
 
 def test_halo_sends_each_neighbour_its_plane_and_returns_the_gradients(tmp_path):

@@ -40,18 +40,43 @@ class Grid:
         return i * bd, (i + 1) * bd, j * bh, (j + 1) * bh
 
 
-def level_grid(edge: int, count: int) -> Optional[Grid]:
-    """The split of a level whose volumes are `edge` voxels on a side: D alone while every rank keeps at
-    least one plane; then D into `edge` one-plane blocks and H into the rest (D then H), while every
-    rank keeps at least one row; None past that (the level runs whole on every rank)."""
-    if edge >= count:
+# A one-plane D slab reads a halo of 2 planes for the one it computes (3x its input, and 2x its size
+# in halo traffic per convolution): from there down a level is split into the most compact D x H
+# blocks instead (one move between splits, at that level's Down, where D-then-H moved at every level).
+THIN = 2
+
+
+def _overhead(edge: int, grid: Grid) -> float:
+    """A block's voxels with its halo (a plane each side along D, a row each side along H where split)
+    over its voxels without."""
+    bd, bh = edge // grid.pd, edge // grid.ph
+    return (1 + 2 / bd if grid.pd > 1 else 1.0) * (1 + 2 / bh if grid.ph > 1 else 1.0)
+
+
+def level_grid(edge: int, count: int, first: bool = True, previous: Optional[Grid] = None) -> Optional[Grid]:
+    """The split of a level whose volumes are `edge` voxels on a side over `count` ranks. The first level
+    (full resolution, the data's D slabs) and every level whose D slabs keep at least THIN planes: D
+    alone. A deeper level with thinner slabs: the D x H blocks (powers of two, every block at least one
+    plane and one row) whose halo adds the least, ties kept at the level above's split (no move between
+    splits), else the one with more D blocks. None where no block keeps a plane and a row (the level
+    runs whole on every rank)."""
+    if edge >= count and (first or edge // count >= THIN):
         return Grid(count, 1)
-    if edge * edge >= count:
-        return Grid(edge, count // edge)
-    return None
+    options = [Grid(pd, count // pd) for pd in (2 ** k for k in range(count.bit_length()))
+               if pd <= edge and count // pd <= edge and pd * (count // pd) == count]
+    if not options:
+        return None
+    if first:  # fewer planes than ranks at full resolution: not a shardable volume (the shard check)
+        options = [g for g in options if g.ph == 1] or options
+    best = min(_overhead(edge, g) for g in options)
+    ties = [g for g in options if _overhead(edge, g) <= best * (1 + 1e-9)]
+    return previous if previous in ties else max(ties, key=lambda g: g.pd)
 
 
 def level_grids(scale: int, levels: int, count: int) -> list[Optional[Grid]]:
     """Per U-Net level (0 = full resolution), how its tensors are split (`level_grid`), None where the
     level runs whole on every rank of the group."""
-    return [level_grid(2 ** (scale - level), count) for level in range(levels + 1)]
+    grids: list[Optional[Grid]] = []
+    for level in range(levels + 1):
+        grids.append(level_grid(2 ** (scale - level), count, level == 0, grids[-1] if grids else None))
+    return grids

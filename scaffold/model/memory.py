@@ -47,7 +47,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from scaffold.model.grid import level_grid
+from scaffold.model.grid import level_grids
 
 GiB = 1 << 30
 # Share of the free memory a plan may use: the caching allocator rounds blocks up and fragments, and a
@@ -116,10 +116,10 @@ class StepShape:
 
     def grid(self, level: int) -> Optional[tuple[int, int]]:
         """(D blocks, H blocks) of `level`'s tensors, None where they are whole on every device
-        (scaffold.model.grid.level_grid: D while each block keeps a plane, then D and H)."""
+        (scaffold.model.grid.level_grid: D slabs, then the most compact D x H blocks where slabs thin)."""
         if self.depth_shards <= 1:
             return None
-        g = level_grid(2 ** (self.scale - level), self.depth_shards)
+        g = level_grids(self.scale, level, self.depth_shards)[level]
         return None if g is None else (g.pd, g.ph)
 
     def split(self, level: int) -> bool:

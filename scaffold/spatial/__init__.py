@@ -1,11 +1,12 @@
-"""Spatial (domain) parallelism: each volume split over a group of ranks, along D, then H.
+"""Spatial (domain) parallelism: each volume split over a group of ranks, in D slabs, then D x H blocks.
 
 With `parallel.spatial_shards = S` the world is a 2-D mesh, data-parallel × spatial (torch's
 DeviceMesh; consecutive ranks share a volume). Rank i of a shard group holds planes
 [i·D/S, (i+1)·D/S) of every volume of its data-parallel rank: its slab of the masks, of the input and of
 every activation at full resolution; the parameters are whole on every rank. Each level of the U-Net
-is split by its own `Grid` (`level_grid`): D alone while each rank keeps at least one plane; then, where
-the depth runs out (S > 2^(scale − level)), D into one-plane blocks and H into the rest; past that
+is split by its own `Grid` (`level_grid`): full resolution in D slabs; a deeper level in D slabs while
+each keeps two planes, then (one-plane slabs, or fewer planes than ranks) in the D × H blocks whose
+halo adds least (16 × 16 at scale 11 over 256 ranks), kept level after level where they tie; past that
 (fewer voxels on a face than ranks) the level runs whole on every rank. What crosses block boundaries:
 
 - a 3×3×3 convolution (padding 1) needs one plane (and, where H is split, one row) of each

@@ -142,7 +142,7 @@ class ShardedGroupNorm(FastGroupNorm):
 def shard_model(model: torch.nn.Module, sg: Optional[ShardGroup]) -> torch.nn.Module:
     """Turns the U-Net's 3×3×3 convolutions and GroupNorms at split levels into their block forms, in
     place (same parameters and state-dict keys). Where a level is split differently from the one above
-    (D, then D and H), the Down block's input and the Up block's transposed convolution output move to
+    (D slabs, then D x H blocks), the Down block's input and the Up block's transposed convolution output move to
     the other split (`redistribute`); where the split ends, the Down block's input is gathered whole
     (then everything below runs whole on every rank) and the Up block's transposed convolution output
     is cut back to the block."""
