@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,27 +13,13 @@ import torch
 
 from helpers import REPO, cli, params, same_params, stable_rows
 from scaffold.stats import read_rows
+from test_spatial import LAUNCH_TIMEOUT, torchrun
 
-LAUNCH_TIMEOUT = 240
 # 12 instances x 2 classes / 3 per volume = 8 volumes of 16³: 5 train + 3 validation, which 2
 # data-parallel ranks split unevenly (each evaluates 2 batches: one rank's second is padding)
 SMALL = ["scale=4", "model.bottleneck=2", "model.base_width=8", "model.groups=4", "data.n_categories=2",
          "data.n_instances=12", "data.val_fraction=0.375", "data.workers=1", "warmup_steps=1", "progress=false",
          "device=cpu"]
-
-
-def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("-m", "scaffold.train")
-             ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--standalone", *entry, *args]
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "1", "HOME": str(cwd)}
-    try:
-        done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun with {nproc} ranks did not finish in {LAUNCH_TIMEOUT} s:\n{str(e.stderr)[-3000:]}")
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

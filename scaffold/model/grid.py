@@ -66,8 +66,6 @@ def level_grid(edge: int, count: int, first: bool = True, previous: Optional[Gri
                if pd <= edge and count // pd <= edge and pd * (count // pd) == count]
     if not options:
         return None
-    if first:  # fewer planes than ranks at full resolution: not a shardable volume (the shard check)
-        options = [g for g in options if g.ph == 1] or options
     best = min(_overhead(edge, g) for g in options)
     ties = [g for g in options if _overhead(edge, g) <= best * (1 + 1e-9)]
     return previous if previous in ties else max(ties, key=lambda g: g.pd)
