@@ -22,6 +22,9 @@ def test_tile_rules():
     with pytest.raises(ValueError, match="warps"):
         G.GluonTile(1, 4, 4, 64, halo=False, warps=8)  # 16 rows cannot feed 8 warps
     assert G.GluonTile(2, 8, 8, 64, halo=True, warps=4).a_rows == 256  # (2 + 2) planes of 64
+    # 256 x 128 tiles, 4 stages: 192 KiB of ring; the epilogue's scratch (64 KiB) only when not direct
+    assert G.GluonTile(4, 8, 8, 128, stages=4, halo=False, direct=True).smem_bytes() == 4 * 48 * 1024
+    assert G.GluonTile(4, 8, 8, 128, stages=4, halo=False).smem_bytes() == (4 * 48 + 64) * 1024
 
 
 def test_weight_matrix_rows_are_tap_major():
@@ -41,12 +44,14 @@ TILES = [
     G.GluonTile(2, 8, 8, 64, stages=4, halo=False, warps=4, persistent=False),
     G.GluonTile(2, 8, 8, 64, stages=2, halo=True, warps=4),
     G.GluonTile(2, 8, 8, 128, stages=4, halo=False, warps=8, persistent=True),
+    G.GluonTile(4, 8, 8, 128, stages=4, halo=False, warps=8, ws=True, direct=True),
+    G.GluonTile(2, 8, 8, 256, stages=4, halo=False, warps=8, ws=True, direct=True),
 ]
 SHAPES = [(2, 64, 64, (5, 6, 7)), (1, 128, 64, (9, 12, 10)), (1, 64, 128, (20, 24, 40))]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{'h' if t.halo else 'w' if t.ws else 'p'}")
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{'h' if t.halo else 'w' if t.ws else 'p'}{'d' if t.direct else ''}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, (s[1], s[2], *s[3]))))
 def test_matches_cudnn_fp32(tile, shape):
     if not G.available():

@@ -243,8 +243,13 @@ class Adam(torch.optim.Adam):
                 continue
             if set_to_none:
                 t.grad = None
+                continue
+            g = t.grad  # as torch.optim.Optimizer.zero_grad: under DDP a gradient is a view of its
+            if g.grad_fn is not None:  # bucket (gradient_as_bucket_view), which detach_() refuses
+                g.detach_()
             else:
-                t.grad.detach_().zero_()
+                g.requires_grad_(False)
+            g.zero_()
 
     @torch.no_grad()
     def refresh_working(self) -> None:

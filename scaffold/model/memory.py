@@ -75,7 +75,7 @@ class StepShape:
     recompute: str = "off"  # "off" | "blocks"
     graph: bool = False  # the step captured as a CUDA graph
     data_bytes: int = 0  # masks kept on the device beside the step (the trainer keeps the dataset)
-    data_parallel: bool = False  # under DDP, whose gradient buckets hold a second copy of the gradients
+    data_parallel: bool = False  # under DDP, whose gradient buckets hold the gradients (`.grad` views them)
     ask_copies: bool = False  # one CUDA process, whose trainer asks for bf16 working copies of the
     # conv weights (scaffold.kernels.adam); whether the step runs on them: `working`
     depth_shards: int = 1  # D split over this many devices (scaffold.spatial): each holds all the
@@ -537,7 +537,8 @@ def walk(s: StepShape) -> Walk:
     forward_peak = live.peak
 
     live.peak = live.now
-    _backward(ops, keep, holders, segments, seg_inputs, logits, live, _whole(s, backward=True))
+    _backward(ops, keep, holders, segments, seg_inputs, logits, live, _whole(s, backward=True),
+              into_buckets=s.data_parallel)
     return Walk(saved, forward_peak, live.peak, _eval_peak(s))
 
 
@@ -548,7 +549,10 @@ def _release(t: _T, holders: dict, keep: set, live: _Live) -> None:
 
 
 def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live,
-              whole: Optional[list[int]] = None) -> None:
+              whole: Optional[list[int]] = None, into_buckets: bool = False) -> None:
+    """into_buckets: under DDP each parameter's gradient is copied into its bucket, which the
+    parameter's `.grad` is a view of (gradient_as_bucket_view), and the autograd tensor is dropped:
+    the kept gradients are the buckets, counted apart (Estimate.buckets)."""
     grads: set = set()
     done_segments: set = set()
     for i in reversed(range(len(ops))):
@@ -567,7 +571,7 @@ def _backward(ops, keep, holders, segments, seg_inputs, logits, live: _Live,
         live.alloc(op.param_grad + op.grad_temp)
         if whole:
             live.touch(whole[0 if op.unit is None else op.unit + 1])
-        live.free(op.grad_temp)
+        live.free(op.grad_temp + (op.param_grad if into_buckets else 0))
         for t in op.outs:
             if t in grads:
                 grads.discard(t)
@@ -612,7 +616,7 @@ class Estimate:
     optimizer_temp: int  # Adam's temporaries during its step (torch's foreach Adam: one moment's size;
     # ours with working copies: none)
     walk: Walk
-    buckets: int = 0  # DDP's gradient buckets
+    buckets: int = 0  # DDP's gradient buckets: the gradients themselves (gradient_as_bucket_view)
     evaluate: bool = True  # the run evaluates (a forward without autograd) between epochs
     warmup_copy: int = 0  # the trainer's warm-up runs on a copy of the model and its optimizer
     working_copies: int = 0  # bf16 working copies of the conv weights, kept between steps
@@ -694,7 +698,9 @@ def estimate(s: StepShape, evaluate: bool = True, warmup: bool = False) -> Estim
     working = 2 * p if s.working else 0
     if working:
         temp = 0
-    return Estimate(s, 4 * p, 2 * p if working else 4 * p, 8 * p, temp, walk(s),
+    # Under DDP the gradients are its buckets' (gradient_as_bucket_view): kept across steps, not apart.
+    grads = 0 if s.data_parallel else 2 * p if working else 4 * p
+    return Estimate(s, 4 * p, grads, 8 * p, temp, walk(s),
                     4 * p if s.data_parallel else 0, evaluate, (4 * p + working) if warmup else 0, working)
 
 

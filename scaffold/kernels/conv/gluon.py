@@ -82,6 +82,7 @@ class GluonTile:
     persistent: bool = True
     per_sm: int = 1  # persistent programs per multiprocessor (what its shared memory allows)
     ws: bool = False  # warp-specialized (a loader warp beside the MMA warps); persistent
+    direct: bool = False  # store straight from the accumulators' registers (no shared-memory scratch)
 
     def __post_init__(self):
         if self.halo and self.bd != 2:
@@ -101,8 +102,10 @@ class GluonTile:
         return 1 << (rows - 1).bit_length()
 
     def smem_bytes(self) -> int:
+        """The ring's bytes, plus the epilogue's layout-conversion scratch (bf16 tile) unless direct."""
         per = self.a_rows * self.bk * 2 + (4 if self.halo else 1) * self.bk * self.bn * 2
-        return self.stages * per
+        scratch = 0 if self.direct else (self.bh * self.bw if self.halo else self.bm) * self.bn * 2
+        return self.stages * per + scratch
 
 
 def default_tile(cin: int, cout: int) -> GluonTile:
@@ -265,32 +268,36 @@ if gluon is not None:
             # flight while the previous tile finishes its MMAs and stores its output.
             nprog = gl.num_programs(0)
             steps = 27 * blocks_c
-            total_steps = ((num_tiles - pid + nprog - 1) // nprog) * steps
+            my_tiles = (num_tiles - pid + nprog - 1) // nprog
+            total_steps = my_tiles * steps
             for i in gl.static_range(STAGES - 1):
                 if i < total_steps:
                     _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, i, i, pid, nprog, steps,
                                 tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD, BH, BW, BK, BN,
                                 PUBLIC_REINTERPRET)
-            acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
-            for g in range(total_steps):
-                s = g % STAGES
-                mbarrier.wait(bars.index(s), (g // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s).slice(0, BM, dim=0), b_bufs.index(s), acc,
-                                    is_async=True)
-                # Everything but this step's MMA has retired: the stage of step g - 1 is free.
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                nxt = g + STAGES - 1
-                if nxt < total_steps:
-                    _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, nxt, nxt % STAGES, pid,
-                                nprog, steps, tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD, BH,
-                                BW, BK, BN, PUBLIC_REINTERPRET)
-                if g % steps == steps - 1:  # the tile's last step: store it, start the next at zero
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    tn, td0, th0, tw0, tn0 = _tile_origin(pid + (g // steps) * nprog, tiles_n, tiles_w,
-                                                          tiles_h, tiles_d, BD, BH, BW, BN)
-                    _store(acc, y_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh, syw,
-                           BM, BH, BW, BN, OUT_LAYOUT)
-                    acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
+            # One inner loop per tile, its accumulator started before it: an accumulator reset inside
+            # the step loop (a branch at a tile's last step) makes ptxas wait for every MMA at each
+            # step's end (its note C7517), which leaves the tensor cores idle between steps.
+            for i in range(my_tiles):
+                acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
+                for k in range(steps):
+                    g = i * steps + k
+                    s = g % STAGES
+                    mbarrier.wait(bars.index(s), (g // STAGES) & 1)
+                    acc = warpgroup_mma(a_bufs.index(s).slice(0, BM, dim=0), b_bufs.index(s), acc,
+                                        is_async=True)
+                    # Everything but this step's MMA has retired: the stage of step g - 1 is free.
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    nxt = g + STAGES - 1
+                    if nxt < total_steps:
+                        _issue_flat(x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, nxt, nxt % STAGES,
+                                    pid, nprog, steps, tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c,
+                                    BD, BH, BW, BK, BN, PUBLIC_REINTERPRET)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                tn, td0, th0, tw0, tn0 = _tile_origin(pid + i * nprog, tiles_n, tiles_w, tiles_h,
+                                                      tiles_d, BD, BH, BW, BN)
+                _store(acc, y_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh, syw,
+                       BM, BH, BW, BN, OUT_LAYOUT)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
 
@@ -316,23 +323,22 @@ if gluon is not None:
                 MMA_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr):
         BM: gl.constexpr = BD * BH * BW
         steps = 27 * blocks_c
-        total_steps = ((num_tiles - pid + nprog - 1) // nprog) * steps
-        acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
-        for g in range(total_steps):
-            s = g % STAGES
-            mbarrier.wait(bars.index(s), (g // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s).slice(0, BM, dim=0), b_bufs.index(s), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if g > 0:  # the MMA of step g - 1 has retired: its stage goes back to the loader
-                mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
-            if g % steps == steps - 1:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                tn, td0, th0, tw0, tn0 = _tile_origin(pid + (g // steps) * nprog, tiles_n, tiles_w,
-                                                      tiles_h, tiles_d, BD, BH, BW, BN)
-                _store(acc, y_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh, syw,
-                       BM, BH, BW, BN, OUT_LAYOUT)
-                acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)
+        for i in range((num_tiles - pid + nprog - 1) // nprog):
+            acc = gl.zeros([BM, BN], gl.float32, layout=MMA_LAYOUT)  # before the loop: see above
+            for k in range(steps):
+                g = i * steps + k
+                s = g % STAGES
+                mbarrier.wait(bars.index(s), (g // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s).slice(0, BM, dim=0), b_bufs.index(s), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if g > 0:  # the MMA of step g - 1 has retired: its stage goes back to the loader
+                    mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            tn, td0, th0, tw0, tn0 = _tile_origin(pid + i * nprog, tiles_n, tiles_w, tiles_h, tiles_d,
+                                                  BD, BH, BW, BN)
+            _store(acc, y_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh, syw,
+                   BM, BH, BW, BN, OUT_LAYOUT)
 
     @gluon.jit
     def _tile_origin(tile, tiles_n, tiles_w, tiles_h, tiles_d, BD: gl.constexpr, BH: gl.constexpr,
@@ -362,8 +368,9 @@ if gluon is not None:
     def _store(acc, y_ptr, n, d0, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
                ROWS: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BN: gl.constexpr,
                OUT_LAYOUT: gl.constexpr):
-        """Rows (d, h, w) of a box from (d0, h0, w0), 8 channels a thread (16-byte stores), masked to
-        the volume and to Cout; any output strides."""
+        """Rows (d, h, w) of a box from (d0, h0, w0), masked to the volume and to Cout; any output
+        strides. OUT_LAYOUT: 8 channels a thread (16-byte stores, through shared memory), or the
+        accumulators' own layout (a direct tile: 4-byte stores, no shared memory)."""
         out = gl.convert_layout(acc.to(gl.bfloat16), OUT_LAYOUT)
         r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
         c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, OUT_LAYOUT))
@@ -392,8 +399,9 @@ def _layouts(tile: GluonTile):
     mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[tile.warps, 1],
                                     instr_shape=[16, tile.bn, 16])  # BM (or a plane) ≥ 16·warps
     tpw_n = min(tile.bn // 8, 32)
-    out = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // tpw_n, tpw_n],
-                           warps_per_cta=[tile.warps, 1], order=[1, 0])
+    out = mma if tile.direct else gl.BlockedLayout(size_per_thread=[1, 8],
+                                                   threads_per_warp=[32 // tpw_n, tpw_n],
+                                                   warps_per_cta=[tile.warps, 1], order=[1, 0])
     xl = gl.NVMMASharedLayout.get_default_for([1, tile.bd, tile.bh, tile.bw, tile.bk], gl.bfloat16)
     xhl = gl.NVMMASharedLayout.get_default_for([1, 2, tile.bh, tile.bw, tile.bk], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([tile.bk, tile.bn], gl.bfloat16)
