@@ -46,6 +46,35 @@ def test_choose_takes_triton_only_when_faster_by_the_margin():
     assert tune_routes.choose(1.0, None, 0.02) == "triton"
 
 
+def test_choose_takes_the_faster_of_our_kernels_only_when_it_beats_cudnn():
+    assert tune_routes.choose(0.90, 1.0, 0.02, g_ms=0.80) == "gluon"
+    assert tune_routes.choose(0.80, 1.0, 0.02, g_ms=0.90) == "triton"
+    assert tune_routes.choose(None, 1.0, 0.02, g_ms=0.90) == "gluon"
+    assert tune_routes.choose(1.10, 1.0, 0.02, g_ms=0.99) == "vendor"  # within the margin
+    assert tune_routes.choose(None, None, 0.02, g_ms=None) == "vendor"
+
+
+def test_a_gluon_route_entry_is_ours_and_runs_triton_where_gluon_cannot(monkeypatch):
+    """A 'gluon' entry comes back from the lookup as GLUON (truthy: not vendor); where the Gluon
+    kernel declines the call (here: a CPU tensor) the Triton launchers compute that direction, with
+    their own bits."""
+    from scaffold.model import conv as C
+
+    x = torch.randn(1, 64, 4, 4, 4).contiguous(memory_format=torch.channels_last_3d).requires_grad_()
+    w = torch.randn(64, 64, 3, 3, 3).mul_(0.05).requires_grad_()
+    key = routes.route_key("cpu", torch.float32, "conv", 64, 64, (3, 3, 3), (1, 1, 1), (1, 1, 1),
+                           (1, 1, 1), (4, 4, 4))
+    monkeypatch.setitem(routes.ROUTES, key, ("gluon", "gluon", "vendor"))
+    route = routes.lookup(x, w, (1, 1, 1), (1, 1, 1), (1, 1, 1))
+    assert route == (C.GLUON, C.GLUON, False)
+    y = C.conv3d(x, w, None, (1, 1, 1), (1, 1, 1), (1, 1, 1), route)
+    y.backward(torch.ones_like(y))
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y2 = C.conv3d(x2, w2, None, (1, 1, 1), (1, 1, 1), (1, 1, 1), (True, True, False))
+    y2.backward(torch.ones_like(y2))
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+
+
 def test_write_routes_rewrites_only_the_block(tmp_path):
     path = tmp_path / "routes.py"
     shutil.copy(routes.__file__, path)

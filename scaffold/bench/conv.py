@@ -9,9 +9,10 @@ those whose module names contain one of the given strings). For each site and ea
 (forward, backward-data, backward-weight; the bias gradient, ours whatever the route, is not part of
 any) it times, on the same bf16 NDHWC tensors: the Triton launchers (`triton`), cuDNN with algorithm
 search (`cudnn`: cudnn.benchmark on, cuDNN's best), and cuDNN restricted to deterministic algorithms
-without search (`cudnn_det`: what the vendor rung runs in training). `routed` is what
-`ladder.conv=auto` runs: per direction, the Triton time where the measured route
-(scaffold/model/routes.py) takes Triton, else the `cudnn_det` time. Medians of one of
+without search (`cudnn_det`: what the vendor rung runs in training); on an sm_90 GPU also our Gluon
+kernel (`gluon`: forward and backward-data of the 3×3×3 sites with channels multiples of 64, each
+with its default tile). `routed` is what `ladder.conv=auto` runs: per direction, the time of the
+rung the measured route (scaffold/model/routes.py) takes, Triton, Gluon or `cudnn_det`. Medians of one of
 scaffold.bench.timing's timers: `wall` (the default: as launched from Python), `device` (CUDA-graph
 replays: device time without the host's launch cost, which dominates the small sites as launched
 from Python) or `host` (the host's launch cost alone, timed while the device is held busy); ratios,
@@ -32,7 +33,8 @@ from scaffold.bench.timing import TIMERS, measure
 from scaffold.config import ModelConfig
 
 DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
-RUNGS = ("triton", "cudnn", "cudnn_det")  # timed
+RUNGS = ("triton", "cudnn", "cudnn_det")  # timed at every site and direction
+GLUON = "gluon"  # timed too where it takes the site and direction (sm_90; `gluon_calls`)
 COLUMNS = RUNGS + ("routed",)  # routed: per direction, triton or cudnn_det as the route table says
 CONV_OPS = ("conv", "conv_transpose")
 
@@ -116,6 +118,19 @@ def triton_calls(site: Site, x, w, b, dy) -> dict:
     }
 
 
+def gluon_calls(site: Site, x, w, b, dy) -> dict:
+    """The Gluon kernel's directions at a site it takes (forward with the bias, backward-data), as
+    the `gluon` route runs them; {} where it takes none (not sm_90, not 3×3×3, channels)."""
+    from scaffold.kernels.conv import gluon as G
+
+    if transposed(site) or not G.supported(x, w, *geometry(site)):
+        return {}
+    calls = {"fwd": lambda: G.conv3d_forward(x, w, bias=b)}
+    if G.supported(dy, w.transpose(0, 1), *geometry(site)):
+        calls["bwd_data"] = lambda: G.conv3d_backward_data(dy, w)
+    return calls
+
+
 def vendor_calls(site: Site, x, w, b, dy) -> dict:
     """cuDNN through ATen: the forward op and convolution_backward with one output mask each (the
     bias gradient apart, as in `triton_calls`)."""
@@ -187,30 +202,43 @@ def time_rung(rung: str, fn, timer: str = "wall") -> float:
 
 
 def site_route(site: Site):
-    """The measured route of a site on this GPU in bf16 (routes.py), None when its shape has none."""
+    """The measured route of a site on this GPU in bf16 (routes.py: each direction's rung name),
+    None when its shape has none."""
     from scaffold.model import routes
 
     route = routes.ROUTES.get(site_key(site))
-    return None if route is None else [r == routes.TRITON for r in route]
+    return None if route is None else list(route)
 
 
-def bench_site(site: Site, batch: int = 1, rungs=RUNGS, timer: str = "wall") -> dict:
+def _column(rung: str) -> str:
+    return {"triton": "triton", "gluon": GLUON}.get(rung, "cudnn_det")
+
+
+def bench_site(site: Site, batch: int = 1, rungs=RUNGS, timer: str = "wall", gluon: bool = True) -> dict:
+    """Times of each rung and direction at a site; `gluon`: also the Gluon kernel where it takes the
+    site and direction (keys `gluon_<direction>_ms`; absent elsewhere)."""
     x, w, b, dy = site_tensors(site, batch)
     row = {"site": describe(site), "gflop": flops(site, batch) / 1e9}
     calls = {"triton": triton_calls(site, x, w, b, dy)}
     calls["cudnn"] = calls["cudnn_det"] = vendor_calls(site, x, w, b, dy)
+    timed = list(rungs)
+    if gluon:
+        calls[GLUON] = gluon_calls(site, x, w, b, dy)
+        timed.append(GLUON)
     for d in DIRECTIONS:
-        for rung in rungs:
+        for rung in timed:
+            if d not in calls[rung]:
+                continue
             try:
                 row[f"{rung}_{d}_ms"] = time_rung(rung, calls[rung][d], timer)
             except Exception as e:  # one failing direction must not lose the rest of the table
                 row[f"{rung}_{d}_ms"] = None
                 row[f"{rung}_{d}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     route = site_route(site)
-    row["route"] = None if route is None else ["triton" if t else "vendor" for t in route]
+    row["route"] = route
     if "triton" in rungs and "cudnn_det" in rungs:
         for i, d in enumerate(DIRECTIONS):
-            row[f"routed_{d}_ms"] = row[f"{'triton' if route and route[i] else 'cudnn_det'}_{d}_ms"]
+            row[f"routed_{d}_ms"] = row.get(f"{_column(route[i] if route else 'vendor')}_{d}_ms")
     return row
 
 
@@ -239,17 +267,20 @@ def _fmt(v, spec="7.3f"):
 
 
 def format_row(row: dict) -> str:
-    """One line per site: its route (T: Triton, v: vendor, -: none), then per direction Triton / cuDNN
-    (search) / cuDNN (deterministic) in ms, the ratio Triton / cuDNN (search) and Triton's TFLOP/s."""
+    """One line per site: its route (T: Triton, G: Gluon, v: vendor, -: none), then per direction
+    Triton / cuDNN (search) / cuDNN (deterministic) in ms, [Gluon where timed,] the ratio Triton /
+    cuDNN (search) and Triton's TFLOP/s."""
     s = row["site"]
-    route = "".join("Tv"[r != "triton"] for r in row["route"]) if row.get("route") else "---"
+    route = "".join({"triton": "T", "gluon": "G"}.get(r, "v") for r in row["route"]) if row.get("route") else "---"
     name = f"{s['name']} {s['cin']}>{s['cout']}@{s['edge']}"
     parts = [f"{name[:30]:30s} x{row['count']} {route}"]
     for d in DIRECTIONS:
         t, c, v = (row.get(f"{r}_{d}_ms") for r in RUNGS)
+        g = row.get(f"{GLUON}_{d}_ms")
         ratio = (t / c) if (t and c) else None
         tf = row["gflop"] / t if t else None
-        parts.append(f"{d[:6]:>6s} {_fmt(t)}/{_fmt(c)}/{_fmt(v)} ({_fmt(ratio, '4.2f')}x, "
+        gluon = f" G {_fmt(g)}" if g is not None else ""
+        parts.append(f"{d[:6]:>6s} {_fmt(t)}/{_fmt(c)}/{_fmt(v)}{gluon} ({_fmt(ratio, '4.2f')}x, "
                      f"{_fmt(tf, '4.0f')} TF/s)")
     return " | ".join(parts)
 

@@ -5,13 +5,14 @@
 
 For every distinct conv site of the model (scaffold.bench.sites) and each direction (forward,
 backward-data, backward-weight; the bias gradient runs on ours whatever the route) it times our
-Triton launchers and cuDNN restricted to deterministic algorithms without search (what the vendor
-rung runs in training) on the same bf16 NDHWC operands, `--reps` rounds interleaved, and takes the
+Triton launchers, our Gluon kernel where it takes the site and direction (sm_90: forward and
+backward-data of 3×3×3 sites with channels multiples of 64), and cuDNN restricted to deterministic
+algorithms without search (what the vendor rung runs in training) on the same bf16 NDHWC operands, `--reps` rounds interleaved, and takes the
 median per side. `--timer wall` (the default) times calls as launched from Python, the host's launch
 cost included; `--timer device` times CUDA-graph replays, the device time alone: the measure for a
 training step whose host runs ahead of its device (bench.minibatch --breakdown says which one a step
-is). A direction goes to Triton when its median is below (1 - margin) × cuDNN's, else to vendor; a
-direction whose Triton call failed goes to vendor. --write rewrites the ROUTES block of routes.py
+is). A direction goes to the faster of our kernels (Triton or Gluon) when its median is below
+(1 - margin) × cuDNN's, else to vendor; a kernel whose call failed is not a candidate. --write rewrites the ROUTES block of routes.py
 (found through the imported module; temp file + rename) after every site, keeping the keys this run
 did not measure; --print only prints that block at the end. The run-time path never times.
 """
@@ -30,13 +31,16 @@ from scaffold.model import routes
 SIDES = ("triton", "cudnn_det")
 
 
-def choose(t_ms, v_ms, margin: float) -> str:
-    """Triton when it ran and beat cuDNN by the margin (or cuDNN failed), else vendor."""
-    if t_ms is None:
+def choose(t_ms, v_ms, margin: float, g_ms=None) -> str:
+    """The faster of ours (Triton `t_ms`, Gluon `g_ms`; None: did not run) when it beats cuDNN
+    (`v_ms`) by the margin (or cuDNN failed), else vendor."""
+    ours = [(ms, rung) for ms, rung in ((t_ms, routes.TRITON), (g_ms, routes.GLUON)) if ms is not None]
+    if not ours:
         return routes.VENDOR
+    ms, rung = min(ours)
     if v_ms is None:
-        return routes.TRITON
-    return routes.TRITON if t_ms < (1.0 - margin) * v_ms else routes.VENDOR
+        return rung
+    return rung if ms < (1.0 - margin) * v_ms else routes.VENDOR
 
 
 def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = False,
@@ -53,22 +57,23 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
             continue
         runs = [bench_site(site, rungs=sides, timer=timer) for _ in range(reps)]
         med = {}
-        for side in sides:
+        for side in sides + (routes.GLUON,):
             for d in DIRECTIONS:
                 vals = [r[f"{side}_{d}_ms"] for r in runs if r.get(f"{side}_{d}_ms") is not None]
                 med[f"{side}_{d}"] = statistics.median(vals) if vals else None
-        route = tuple(choose(med[f"triton_{d}"], med[f"cudnn_det_{d}"], margin) for d in DIRECTIONS)
+        route = tuple(choose(med[f"triton_{d}"], med[f"cudnn_det_{d}"], margin, med[f"gluon_{d}"])
+                      for d in DIRECTIONS)
         key = site_key(site)
         table[key] = route
         for side in sides:
             totals[side] += site.count * sum(med[f"{side}_{d}"] or 0.0 for d in DIRECTIONS)
-        chosen = [med[f"{'triton' if r == routes.TRITON else 'cudnn_det'}_{d}"] for r, d in
+        chosen = [med[f"{r if r in (routes.TRITON, routes.GLUON) else 'cudnn_det'}_{d}"] for r, d in
                   zip(route, DIRECTIONS)]
         totals["routed"] += site.count * sum(c or 0.0 for c in chosen)
         rows.append({"site": site.name, "count": site.count, "key": key, "route": route,
                      "median_ms": med})
         log(f"{site.name[:24]:24s} x{site.count} " + " | ".join(
-            f"{d[:6]} {_ms(med[f'triton_{d}'])}/{_ms(med[f'cudnn_det_{d}'])} -> {r}"
+            f"{d[:6]} {_ms(med[f'triton_{d}'])}/{_ms(med[f'gluon_{d}'])}/{_ms(med[f'cudnn_det_{d}'])} -> {r}"
             for d, r in zip(DIRECTIONS, route)))
         torch.cuda.empty_cache()
         if on_site is not None:
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--sites", default="", help="comma-separated substrings of the sites' module names")
     p.add_argument("--reps", type=int, default=3, help="interleaved rounds; the median is kept")
     p.add_argument("--margin", type=float, default=0.02,
-                   help="Triton must be this fraction faster than cuDNN to take a direction")
+                   help="our kernel must be this fraction faster than cuDNN to take a direction")
     p.add_argument("--timer", default="wall", choices=("wall", "device"),
                    help="wall: as launched from Python; device: CUDA-graph replays (device time)")
     p.add_argument("--out", default="", help="write the routes and timings as JSON here")

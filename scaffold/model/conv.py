@@ -1,8 +1,10 @@
-"""The convolution rungs' autograd: each direction on the Triton launchers or on ATen, as a route says.
+"""The convolution rungs' autograd: each direction on our kernels or on ATen, as a route says.
 
 A conv site has three directions per step: forward, backward-data and backward-weight. A route
-(three booleans, from scaffold.model.policy) sends each to our Triton launchers (scaffold.kernels.conv)
-or to ATen (cuDNN on CUDA, under the process's determinism flags); the `triton` rung is the route
+(three entries, from scaffold.model.policy) sends each to our Triton launchers (True;
+scaffold.kernels.conv), to our Gluon kernel for Hopper (GLUON, forward and backward-data of 3×3×3
+convs; scaffold.kernels.conv.gluon; where it cannot take a call, the Triton launcher does) or to ATen
+(False: cuDNN on CUDA, under the process's determinism flags); the `triton` rung is the route
 (True, True, True). The bias gradient is our split reduction (`bias_grad`) whatever the route: it
 reads dy once, faster than ATen's sum at every size the model has (H200: 0.85 against 0.89 ms at
 64@256³, 0.046 against 0.146 ms at 128@64³; docs/performance-log.md). Both sides are deterministic,
@@ -21,7 +23,25 @@ import torch.nn.functional as F
 from scaffold.kernels import conv as K
 
 ALL_TRITON = (True, True, True)
+GLUON = "gluon"  # a route entry: our Gluon kernel (truthy: ours, not ATen)
 _NO_PAD, _NO_DIL = (0, 0, 0), (1, 1, 1)
+
+
+def _gluon():
+    from scaffold.kernels.conv import gluon
+    return gluon
+
+
+def _forward(x, w, bias, stride, padding, dilation, on):
+    if on == GLUON and _gluon().supported(x, w, stride, padding, dilation):
+        return _gluon().conv3d_forward(x, w, bias=bias)
+    return K.conv3d_forward(x, w, bias, stride, padding, dilation)
+
+
+def _backward_data(dy, w, x_shape, stride, padding, dilation, on):
+    if on == GLUON and _gluon().supported(dy, w.transpose(0, 1), stride, padding, dilation):
+        return _gluon().conv3d_backward_data(dy, w)
+    return K.conv3d_backward_data(dy, w, x_shape, stride, padding, dilation)
 
 
 class _ConvFn(torch.autograd.Function):
@@ -34,7 +54,7 @@ class _ConvFn(torch.autograd.Function):
             y = (K.conv_transpose3d_forward(x, w, bias, out=out) if route[0]
                  else F.conv_transpose3d(x, w, bias, stride))
         elif route[0]:
-            y = K.conv3d_forward(x, w, bias, stride, padding, dilation)
+            y = _forward(x, w, bias, stride, padding, dilation, route[0])
         else:
             y = F.conv3d(x, w, bias, stride, padding, dilation)
         ctx.save_for_backward(x, w)
@@ -56,7 +76,7 @@ class _ConvFn(torch.autograd.Function):
                                                             1, mask)
         if need_dx and route[1]:
             dx = (K.conv_transpose3d_backward_data(dy, w, x.shape) if transposed
-                  else K.conv3d_backward_data(dy, w, x.shape, *g))
+                  else _backward_data(dy, w, x.shape, *g, route[1]))
         if need_dw and route[2]:
             dw = (K.conv_transpose3d_backward_weight(dy, x, w.shape, w.dtype) if transposed
                   else K.conv3d_backward_weight(dy, x, w.shape, w.dtype, *g))
@@ -78,7 +98,7 @@ def _apply(x, weight, bias, stride, padding, dilation, transposed, route, out=No
 
 def conv3d(x, weight, bias, stride, padding, dilation, route=ALL_TRITON) -> torch.Tensor:
     """F.conv3d(x, weight, bias, stride, padding, dilation) (groups = 1) with each direction where
-    `route` says (forward, backward-data, backward-weight: True = Triton)."""
+    `route` says (forward, backward-data, backward-weight: True = Triton, GLUON, False = ATen)."""
     return _apply(x, weight, bias, stride, padding, dilation, False, route)
 
 

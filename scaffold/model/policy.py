@@ -3,8 +3,10 @@
 A *rung* is one implementation of an operator kind. `vendor` is torch's own op (cuDNN / the CPU
 kernels) and is always there; `triton` runs our kernels (scaffold.kernels, imported on first use so
 that a missing or broken kernel module only makes the rung unavailable); `routed` (the convolutions)
-runs each direction (forward, backward-data, backward-weight) on Triton or on deterministic cuDNN as a
-table of measured routes says (scaffold/model/routes.py). More rungs can be registered (tests register
+runs each direction (forward, backward-data, backward-weight) on Triton, on our Gluon kernel for Hopper
+or on deterministic cuDNN as a table of measured routes says (scaffold/model/routes.py); `gluon` (the
+convolutions, sm_90) runs forward and backward-data of the 3×3×3 convs it takes on the Gluon kernel
+(scaffold.kernels.conv.gluon) and their backward-weight on Triton. More rungs can be registered (tests register
 fakes); a registered rung is a valid `ladder.<kind>` setting.
 
 The choice is a pure function of (setting, device, the call's metadata): never of a timing race, so
@@ -27,7 +29,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-VENDOR, AUTO, TRITON, ROUTED = "vendor", "auto", "triton", "routed"
+VENDOR, AUTO, TRITON, ROUTED, GLUON = "vendor", "auto", "triton", "routed", "gluon"
 
 
 class ConvCall(NamedTuple):
@@ -152,9 +154,9 @@ def select_rung(op: str, setting: str, call: Any) -> str:
 ALL_TRITON = (True, True, True)
 
 
-def conv_route(call: ConvCall | ConvTransposeCall) -> Optional[tuple[bool, bool, bool]]:
-    """(forward, backward-data, backward-weight) on Triton? for a conv call, from the measured routes;
-    None when its shape was never measured."""
+def conv_route(call: ConvCall | ConvTransposeCall) -> Optional[tuple]:
+    """(forward, backward-data, backward-weight) of a conv call, each True (Triton), GLUON or False
+    (vendor), from the measured routes; None when its shape was never measured."""
     from scaffold.model.routes import lookup
 
     transposed = isinstance(call, ConvTransposeCall)
@@ -208,6 +210,24 @@ def _conv_transpose_forward(c: ConvTransposeCall, route) -> torch.Tensor:
                                                                  out=c.out)
 
 
+def _gluon_supports(c: ConvCall) -> bool:
+    """Metadata only: a 3×3×3 conv at stride 1, padding 1 that computes in bf16 (autocast's dtype
+    when it is on) with channels multiples of 64, on an sm_90 GPU where Gluon imports, and that the
+    Triton launchers take too (the backward-weight, and any operand the Gluon kernel declines)."""
+    x, w = c.x, c.weight
+    if not (_on_cuda(x) and c.groups == 1 and x.dim() == 5 and tuple(w.shape[2:]) == (3, 3, 3)):
+        return False
+    if (tuple(c.stride), tuple(c.padding), tuple(c.dilation)) != ((1, 1, 1),) * 3:
+        return False
+    autocast = torch.is_autocast_enabled("cuda")
+    if (torch.get_autocast_dtype("cuda") if autocast else x.dtype) != torch.bfloat16:
+        return False
+    if w.shape[0] % 64 or w.shape[1] % 64:
+        return False
+    gluon = kernel_module("scaffold.kernels.conv.gluon")
+    return gluon is not None and gluon.available(x.device) and _conv_supports(c)
+
+
 def _routed(supports: Callable[[Any], bool]) -> Callable[[Any], bool]:
     """`routed` takes a call that Triton supports and whose route sends some direction to Triton, or
     that has a bias: its gradient runs on ours whatever the route (scaffold.model.conv)."""
@@ -222,6 +242,7 @@ def _register_triton_rungs() -> None:
                            "scaffold.kernels.seg_loss")
     _REGISTRY["conv"][TRITON] = Rung(_conv_supports, lambda c: _conv_forward(c, ALL_TRITON))
     _REGISTRY["conv"][ROUTED] = Rung(_routed(_conv_supports), lambda c: _conv_forward(c, conv_route(c)))
+    _REGISTRY["conv"][GLUON] = Rung(_gluon_supports, lambda c: _conv_forward(c, (GLUON, GLUON, True)))
     _REGISTRY["conv_transpose"][TRITON] = Rung(_conv_transpose_supports,
                                                lambda c: _conv_transpose_forward(c, ALL_TRITON))
     _REGISTRY["conv_transpose"][ROUTED] = Rung(_routed(_conv_transpose_supports),

@@ -16,7 +16,9 @@ a shape runs on Triton.
 `python -m scaffold.bench.tune_routes` times both sides per site and direction on the GPU the table is for and
 rewrites the ROUTES block below. Keys: arch|dtype|op|cin>cout|geometry|DxHxW of the conv's input
 (batch excluded: the routes were measured at batch 1); values: the rung of forward, backward-data and
-backward-weight.
+backward-weight: 'triton', 'vendor', or 'gluon' (our Gluon kernel for Hopper, forward and
+backward-data of the 3×3×3 convs whose channels are multiples of 64; where it declines an operand at
+run time, e.g. one not contiguous in NDHWC, the Triton launcher runs that call).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from scaffold.kernels.lib.device import arch_key, dtype_key
 
 TRITON = "triton"
 VENDOR = "vendor"
+GLUON = "gluon"  # our Gluon kernel for Hopper: forward and backward-data of 3×3×3 convs only
 
 # BEGIN ROUTES (written by python -m scaffold.bench.tune_routes; values: forward, backward-data, backward-weight)
 ROUTES: dict[str, tuple[str, str, str]] = {
@@ -117,8 +120,9 @@ def beyond_int32(x_shape: Sequence[int], w_shape: Sequence[int], stride, padding
 
 
 def lookup(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
-           transposed: bool = False) -> Optional[tuple[bool, bool, bool]]:
-    """(forward, backward-data, backward-weight) on Triton? for this call, or None when its shape was
+           transposed: bool = False) -> Optional[tuple]:
+    """(forward, backward-data, backward-weight) for this call, each True (Triton), GLUON (our Gluon
+    kernel, scaffold.kernels.conv.gluon: forward and backward-data only) or False (vendor), or None when its shape was
     never measured and fits 32-bit indices (all Triton when it does not: see the module's docstring).
     The dtype is the one the conv computes in (autocast's, when it is on). Metadata only: no host
     sync."""
@@ -135,4 +139,4 @@ def lookup(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
     if entry is None:
         large = beyond_int32(x.shape, weight.shape, stride, padding, dilation, transposed)
         return (True, True, True) if large else None
-    return tuple(rung == TRITON for rung in entry)
+    return tuple(GLUON if rung == GLUON else rung == TRITON for rung in entry)

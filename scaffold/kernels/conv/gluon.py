@@ -58,7 +58,12 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
     device = device or torch.device("cuda", torch.cuda.current_device())
-    if torch.cuda.get_device_capability(device)[0] != 9:
+    return _arch_reason(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_reason(index: int) -> str | None:
+    if torch.cuda.get_device_capability(index)[0] != 9:
         return "not an sm_90 (Hopper) GPU"
     return None
 
@@ -131,7 +136,7 @@ def supported(x: torch.Tensor, w: torch.Tensor, stride=(1, 1, 1), padding=(1, 1,
         return False
     if x.shape[1] % 64 or w.shape[0] % 64:
         return False
-    return x.permute(0, 2, 3, 4, 1).is_contiguous()
+    return x.permute(0, 2, 3, 4, 1).is_contiguous() and x.data_ptr() % 16 == 0  # the copy engine's rule
 
 
 if gluon is not None:
@@ -183,13 +188,14 @@ if gluon is not None:
             _tma_load(w_desc, [tap * Cin + c0, n0], bar, b_bufs.index(s * B_SLOTS + j))
 
     @gluon.jit
-    def _conv3x3x3_kernel(x_desc, xh_desc, w_desc, y_ptr, Cin, Cout, D, H, W, tiles_d, tiles_h, tiles_w,
+    def _conv3x3x3_kernel(x_desc, xh_desc, w_desc, y_ptr, b_ptr, Cin, Cout, D, H, W, tiles_d, tiles_h, tiles_w,
                           tiles_n, num_tiles, blocks_c, syn, syc, syd, syh, syw,
                           BD: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BN: gl.constexpr,
                           BK: gl.constexpr, STAGES: gl.constexpr, HALO: gl.constexpr,
                           A_ROWS: gl.constexpr,
                           A2_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
-                          OUT_LAYOUT: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr, WS: gl.constexpr):
+                          OUT_LAYOUT: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr, WS: gl.constexpr,
+                          HAS_BIAS: gl.constexpr):
         BM: gl.constexpr = BD * BH * BW
         KD_PER: gl.constexpr = 3 if HALO else 1
         B_SLOTS: gl.constexpr = 4 if HALO else 1  # shared-memory shapes are powers of two
@@ -238,10 +244,10 @@ if gluon is not None:
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
-            _store(acc0, y_ptr, n, d0, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
-                   PLANE, BH, BW, BN, OUT_LAYOUT)
-            _store(acc1, y_ptr, n, d0 + 1, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
-                   PLANE, BH, BW, BN, OUT_LAYOUT)
+            _store(acc0, y_ptr, b_ptr, n, d0, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
+                   PLANE, BH, BW, BN, OUT_LAYOUT, HAS_BIAS)
+            _store(acc1, y_ptr, b_ptr, n, d0 + 1, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
+                   PLANE, BH, BW, BN, OUT_LAYOUT, HAS_BIAS)
         elif WS:
             # Warp-specialized: one loader warp runs the copies STAGES ahead, gated by `empty` (a
             # stage is released once the MMA that read it has retired); the kernel's own warps
@@ -252,9 +258,9 @@ if gluon is not None:
             fence_async_shared()
             nprog = gl.num_programs(0)
             gl.warp_specialize([
-                (_ws_mma, (a_bufs, b_bufs, bars, empty, y_ptr, pid, nprog, num_tiles, tiles_n, tiles_w,
-                           tiles_h, tiles_d, blocks_c, Cout, D, H, W, syn, syc, syd, syh, syw,
-                           BD, BH, BW, BN, STAGES, MMA_LAYOUT, OUT_LAYOUT)),
+                (_ws_mma, (a_bufs, b_bufs, bars, empty, y_ptr, b_ptr, pid, nprog, num_tiles, tiles_n,
+                           tiles_w, tiles_h, tiles_d, blocks_c, Cout, D, H, W, syn, syc, syd, syh, syw,
+                           BD, BH, BW, BN, STAGES, MMA_LAYOUT, OUT_LAYOUT, HAS_BIAS)),
                 (_ws_loader, (x_desc, xh_desc, w_desc, a_bufs, b_bufs, bars, empty, pid, nprog,
                               num_tiles, tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c,
                               BD, BH, BW, BK, BN, STAGES, PUBLIC_REINTERPRET)),
@@ -296,8 +302,8 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 tn, td0, th0, tw0, tn0 = _tile_origin(pid + i * nprog, tiles_n, tiles_w, tiles_h,
                                                       tiles_d, BD, BH, BW, BN)
-                _store(acc, y_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh, syw,
-                       BM, BH, BW, BN, OUT_LAYOUT)
+                _store(acc, y_ptr, b_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh,
+                       syw, BM, BH, BW, BN, OUT_LAYOUT, HAS_BIAS)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
 
@@ -317,10 +323,10 @@ if gluon is not None:
                         PUBLIC_REINTERPRET)
 
     @gluon.jit
-    def _ws_mma(a_bufs, b_bufs, bars, empty, y_ptr, pid, nprog, num_tiles, tiles_n, tiles_w, tiles_h,
-                tiles_d, blocks_c, Cout, D, H, W, syn, syc, syd, syh, syw, BD: gl.constexpr,
+    def _ws_mma(a_bufs, b_bufs, bars, empty, y_ptr, b_ptr, pid, nprog, num_tiles, tiles_n, tiles_w,
+                tiles_h, tiles_d, blocks_c, Cout, D, H, W, syn, syc, syd, syh, syw, BD: gl.constexpr,
                 BH: gl.constexpr, BW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                MMA_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr):
+                MMA_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr):
         BM: gl.constexpr = BD * BH * BW
         steps = 27 * blocks_c
         for i in range((num_tiles - pid + nprog - 1) // nprog):
@@ -337,8 +343,8 @@ if gluon is not None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             tn, td0, th0, tw0, tn0 = _tile_origin(pid + i * nprog, tiles_n, tiles_w, tiles_h, tiles_d,
                                                   BD, BH, BW, BN)
-            _store(acc, y_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh, syw,
-                   BM, BH, BW, BN, OUT_LAYOUT)
+            _store(acc, y_ptr, b_ptr, tn, td0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh, syw,
+                   BM, BH, BW, BN, OUT_LAYOUT, HAS_BIAS)
 
     @gluon.jit
     def _tile_origin(tile, tiles_n, tiles_w, tiles_h, tiles_d, BD: gl.constexpr, BH: gl.constexpr,
@@ -365,15 +371,20 @@ if gluon is not None:
                blocks_c, BD, BH, BW, BK, BN, False, PUBLIC_REINTERPRET)
 
     @gluon.jit
-    def _store(acc, y_ptr, n, d0, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
+    def _store(acc, y_ptr, b_ptr, n, d0, h0, w0, n0, Cout, D, H, W, syn, syc, syd, syh, syw,
                ROWS: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BN: gl.constexpr,
-               OUT_LAYOUT: gl.constexpr):
+               OUT_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr):
         """Rows (d, h, w) of a box from (d0, h0, w0), masked to the volume and to Cout; any output
-        strides. OUT_LAYOUT: 8 channels a thread (16-byte stores, through shared memory), or the
-        accumulators' own layout (a direct tile: 4-byte stores, no shared memory)."""
-        out = gl.convert_layout(acc.to(gl.bfloat16), OUT_LAYOUT)
-        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        strides; the bias (fp32 add before the rounding to bf16) where given. OUT_LAYOUT: 8 channels a
+        thread (16-byte stores, through shared memory), or the accumulators' own layout (a direct
+        tile: 4-byte stores, no shared memory)."""
         c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        out = gl.convert_layout(acc, OUT_LAYOUT)
+        if HAS_BIAS:
+            bias = gl.load(b_ptr + c, mask=c < Cout, other=0.0).to(gl.float32)
+            out = out + gl.expand_dims(bias, 0)
+        out = out.to(gl.bfloat16)
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
         od = d0 + r // (BH * BW)
         oh = h0 + (r // BW) % BH
         ow = w0 + r % BW
@@ -418,11 +429,14 @@ def weight_matrix(w: torch.Tensor, mirror: bool = False) -> torch.Tensor:
     return w.permute(2, 3, 4, 1, 0).reshape(27 * ci, co).contiguous()
 
 
-def _launch(x: torch.Tensor, wm: torch.Tensor, out: torch.Tensor, tile: GluonTile) -> torch.Tensor:
-    n, cin, d, h, w = x.shape
+def kernel_arguments(xv, wm, out, tile: GluonTile, bias=None, sms: int = 132) -> tuple:
+    """(grid, positional arguments, keyword arguments) of one launch of the kernel. xv: the input as
+    [N, D, H, W, C] (an NDHWC view); wm: the [27·Cin, Cout] weight matrix; out: the output, (N, Cout,
+    D, H, W) with any strides; sms: the device's multiprocessors (a persistent grid's size). Tensors
+    need only shape, stride, dtype and data_ptr: an ahead-of-time compile passes stand-ins."""
+    n, d, h, w, cin = xv.shape
     cout = wm.shape[1]
     a2, mma, out_layout, xl, xhl, wl = _layouts(tile)
-    xv = x.permute(0, 2, 3, 4, 1)
     x_desc = TensorDescriptor(xv, list(xv.shape), list(xv.stride()),
                               [1, tile.bd, tile.bh, tile.bw, tile.bk], xl)
     xh_desc = TensorDescriptor(xv, list(xv.shape), list(xv.stride()), [1, 2, tile.bh, tile.bw, tile.bk],
@@ -433,25 +447,31 @@ def _launch(x: torch.Tensor, wm: torch.Tensor, out: torch.Tensor, tile: GluonTil
     num_tiles = n * tiles[0] * tiles[1] * tiles[2] * tiles_n
     programs = num_tiles
     if (tile.persistent or tile.ws) and not tile.halo:  # as many programs as run on the device at once
-        programs = min(num_tiles, sm_count(x.device) * tile.per_sm)
-    grid = (programs,)
+        programs = min(num_tiles, sms * tile.per_sm)
+    args = (x_desc, xh_desc, w_desc, out, out if bias is None else bias, cin, cout, d, h, w, *tiles,
+            tiles_n, num_tiles, -(-cin // tile.bk), *out.stride(),
+            tile.bd, tile.bh, tile.bw, tile.bn, tile.bk, tile.stages, tile.halo, tile.a_rows,
+            a2, mma, out_layout, _public_reinterpret(), tile.ws, bias is not None)
+    return (programs,), args, {"num_warps": tile.warps}
+
+
+def _launch(x: torch.Tensor, wm: torch.Tensor, out: torch.Tensor, tile: GluonTile,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    grid, args, kwargs = kernel_arguments(x.permute(0, 2, 3, 4, 1), wm, out, tile, bias,
+                                          sm_count(x.device))
     global last_compiled
-    last_compiled = _conv3x3x3_kernel[grid](
-        x_desc, xh_desc, w_desc, out, cin, cout, d, h, w, *tiles, tiles_n, num_tiles, -(-cin // tile.bk),
-        out.stride(0), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
-        tile.bd, tile.bh, tile.bw, tile.bn, tile.bk, tile.stages, tile.halo, tile.a_rows,
-        a2, mma, out_layout, _public_reinterpret(), tile.ws,
-        num_warps=tile.warps)
+    last_compiled = _conv3x3x3_kernel[grid](*args, **kwargs)
     return out
 
 
 def conv3d_forward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                   tile: GluonTile | None = None) -> torch.Tensor:
-    """conv3d(x, w, padding=1) for bf16 NDHWC x, no bias; `out` (any strides) is written if given."""
+                   tile: GluonTile | None = None, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """conv3d(x, w, bias, padding=1) for bf16 NDHWC x; `out` (any strides) is written if given. The
+    bias is added in fp32 to the accumulators before their rounding to bf16."""
     if out is None:
         out = torch.empty((x.shape[0], w.shape[0], *x.shape[2:]), device=x.device, dtype=x.dtype,
                           memory_format=torch.channels_last_3d)
-    return _launch(x, weight_matrix(w), out, tile or default_tile(w.shape[1], w.shape[0]))
+    return _launch(x, weight_matrix(w), out, tile or default_tile(w.shape[1], w.shape[0]), bias)
 
 
 def conv3d_backward_data(dy: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
