@@ -98,7 +98,8 @@ def test_the_gluon_route_runs_gluon_with_the_bias_and_its_gradients_are_right(mo
     x = torch.randn(1, 64, 12, 16, 20, device="cuda", generator=g).contiguous(memory_format=cl)
     w = (torch.randn(128, 64, 3, 3, 3, device="cuda", generator=g) * 0.05).contiguous(memory_format=cl)
     b = torch.randn(128, device="cuda", generator=g)
-    dy = torch.randn(1, 128, 12, 16, 20, device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(1, 128, 12, 16, 20, device="cuda", generator=g).to(torch.bfloat16).contiguous(
+        memory_format=cl)  # as the next layer's backward hands it over: NDHWC
     xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
     with torch.autocast("cuda", torch.bfloat16):
         y = C.conv3d(xs, ws, bs, (1, 1, 1), (1, 1, 1), (1, 1, 1), (C.GLUON, C.GLUON, True))
