@@ -21,6 +21,11 @@ def test_tile_rules():
         G.GluonTile(4, 8, 8, 64, halo=True)
     with pytest.raises(ValueError, match="warps"):
         G.GluonTile(1, 4, 4, 64, halo=False, warps=8)  # 16 rows cannot feed 8 warps
+    with pytest.raises(ValueError, match="bd=4"):
+        G.GluonTile(2, 8, 8, 64, halo=True, ws=True, warps=4)  # two warpgroups of two planes each
+    # BD + 2 = 6 planes in two allocations (4, then 2): nothing rounded up; three weight tiles
+    t = G.GluonTile(4, 8, 8, 64, stages=3, halo=True, ws=True, warps=4, direct=True)
+    assert t.a_rows == 6 * 64 and t.smem_bytes() == 3 * (6 * 64 * 64 * 2 + 3 * 64 * 64 * 2)
     assert G.GluonTile(2, 8, 8, 64, halo=True, warps=4).a_rows == 256  # (2 + 2) planes of 64
     # 256 x 128 tiles, 4 stages: 192 KiB of ring; the epilogue's scratch (64 KiB) only when not direct
     assert G.GluonTile(4, 8, 8, 128, stages=4, halo=False, direct=True).smem_bytes() == 4 * 48 * 1024
@@ -46,12 +51,14 @@ TILES = [
     G.GluonTile(2, 8, 8, 128, stages=4, halo=False, warps=8, persistent=True),
     G.GluonTile(4, 8, 8, 128, stages=4, halo=False, warps=8, ws=True, direct=True),
     G.GluonTile(2, 8, 8, 256, stages=4, halo=False, warps=8, ws=True, direct=True),
+    G.GluonTile(4, 8, 8, 64, stages=3, halo=True, warps=4, ws=True, direct=True),
+    G.GluonTile(4, 8, 8, 128, stages=2, halo=True, warps=4, ws=True, direct=True),
 ]
 SHAPES = [(2, 64, 64, (5, 6, 7)), (1, 128, 64, (9, 12, 10)), (1, 64, 128, (20, 24, 40))]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{'h' if t.halo else 'w' if t.ws else 'p'}{'d' if t.direct else ''}")
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{('x' if t.ws else 'h') if t.halo else 'w' if t.ws else 'p'}{'d' if t.direct else ''}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, (s[1], s[2], *s[3]))))
 def test_matches_cudnn_fp32(tile, shape):
     if not G.available():
@@ -114,7 +121,8 @@ def test_the_gluon_route_runs_gluon_with_the_bias_and_its_gradients_are_right(mo
         assert rel < 1e-2, rel
 
 
-@pytest.mark.parametrize("spec", ["4x8x8x64:4:w1:8", "2x8x8x128:4:p1:8", "4x8x8x128:4:w1d:8"])
+@pytest.mark.parametrize("spec", ["4x8x8x64:4:w1:8", "2x8x8x128:4:p1:8", "4x8x8x128:4:w1d:8",
+                                  "4x8x8x64:3:xd:4"])
 def test_compiles_for_sm90_with_overlapping_mmas_and_no_spills(spec):
     """Compiled ahead of time for sm_90 (no GPU needed): warpgroup MMAs and copy-engine loads in the
     SASS, no spills, shared memory within a block's limit, and no ptxas note that the MMAs were made

@@ -31,8 +31,9 @@ DIRECTIONS = ("fwd", "bwd_data")
 def parse_tile(text: str):
     """'BDxBHxBWxBN:stages:mode:warps[:bk]' -> GluonTile. mode: h (d halo, one tile a program),
     q (one box per tap, one tile a program), pK (one box per tap, persistent, K programs per SM),
-    wK (as pK, warp-specialized: a loader warp beside the MMA warps); a trailing d (e.g. w1d) stores
-    the output straight from the accumulators' registers."""
+    wK (as pK, warp-specialized: a loader warp beside the MMA warps), x (d halo, warp-specialized:
+    BD = 4, two MMA warpgroups, warps = 4, persistent); a trailing d (e.g. w1d) stores the output
+    straight from the accumulators' registers."""
     from scaffold.kernels.conv.gluon import GluonTile
 
     try:
@@ -40,19 +41,19 @@ def parse_tile(text: str):
         bd, bh, bw, bn = (int(v) for v in box.split("x"))
         direct = len(mode) > 1 and mode.endswith("d")
         mode = mode[:-1] if direct else mode
-        if mode[:1] not in ("h", "p", "q", "w") or len(bk) > 1:
+        if mode[:1] not in ("h", "p", "q", "w", "x") or len(bk) > 1:
             raise ValueError(f"mode {mode!r}")
         per_sm = int(mode[1:]) if mode[:1] in "pw" and len(mode) > 1 else 1
         return GluonTile(bd, bh, bw, bn, bk=int(bk[0]) if bk else 64, stages=int(stages),
-                         halo=mode == "h", warps=int(warps), persistent=mode[:1] in "pw",
-                         per_sm=per_sm, ws=mode[:1] == "w", direct=direct)
+                         halo=mode in ("h", "x"), warps=int(warps), persistent=mode[:1] in "pwx",
+                         per_sm=per_sm, ws=mode[:1] in "wx", direct=direct)
     except ValueError as e:
-        raise SystemExit(f"--tiles: {text!r}: expected BDxBHxBWxBN:stages:h|q|pK|wK[d]:warps[:bk], "
+        raise SystemExit(f"--tiles: {text!r}: expected BDxBHxBWxBN:stages:h|q|pK|wK|x[d]:warps[:bk], "
                          f"e.g. 4x8x8x128:4:w1d:8 ({e})") from None
 
 
 def tile_name(t) -> str:
-    mode = "h" if t.halo else (f"{'w' if t.ws else 'p'}{t.per_sm}" if t.persistent else "q")
+    mode = ("x" if t.ws else "h") if t.halo else (f"{'w' if t.ws else 'p'}{t.per_sm}" if t.persistent else "q")
     return f"{t.bd}x{t.bh}x{t.bw}x{t.bn}:{t.stages}:{mode}{'d' if t.direct else ''}:{t.warps}:{t.bk}"
 
 
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--scale", default="8", help="comma-separated scales")
     p.add_argument("--sites", default="", help="substrings of module names to keep (default: all "
                    "sites the kernel takes)")
-    p.add_argument("--tiles", default="", help="comma-separated BDxBHxBWxBN:stages:h|q|pK|wK[d]:warps[:bk] "
+    p.add_argument("--tiles", default="", help="comma-separated BDxBHxBWxBN:stages:h|q|pK|wK|x[d]:warps[:bk] "
                    "(default: each site's default tile)")
     p.add_argument("--directions", default="fwd,bwd_data")
     p.add_argument("--timer", default="device", choices=("wall", "device"))

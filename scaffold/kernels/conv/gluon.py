@@ -90,7 +90,11 @@ class GluonTile:
     direct: bool = False  # store straight from the accumulators' registers (no shared-memory scratch)
 
     def __post_init__(self):
-        if self.halo and self.bd != 2:
+        if self.halo and self.ws:
+            if self.bd != 4 or self.warps != 4:
+                raise ValueError(f"GluonTile: a warp-specialized halo tile has bd=4 and warps=4 (two MMA "
+                                 f"warpgroups of two planes each), got bd={self.bd}, warps={self.warps}")
+        elif self.halo and self.bd != 2:
             raise ValueError(f"GluonTile: a halo tile has bd=2 (one accumulator per plane), got {self.bd}")
         if (self.bh * self.bw if self.halo else self.bm) < 16 * self.warps:
             raise ValueError(f"GluonTile: {self.warps} warps need >= {16 * self.warps} rows per MMA")
@@ -100,15 +104,22 @@ class GluonTile:
         return self.bd * self.bh * self.bw
 
     @property
+    def halo_ws(self) -> bool:
+        return self.halo and self.ws
+
+    @property
     def a_rows(self) -> int:
         """Rows of one A stage in shared memory: the box (with its halo), rounded up to a power of
-        two (Gluon's shared-memory shapes are powers of two)."""
+        two (Gluon's shared-memory shapes are powers of two); a warp-specialized halo tile keeps
+        its BD + 2 planes in two allocations (BD, then 2) and wastes none."""
         rows = (self.bd + 2 if self.halo else self.bd) * self.bh * self.bw
+        if self.halo_ws:
+            return rows
         return 1 << (rows - 1).bit_length()
 
     def smem_bytes(self) -> int:
         """The ring's bytes, plus the epilogue's layout-conversion scratch (bf16 tile) unless direct."""
-        per = self.a_rows * self.bk * 2 + (4 if self.halo else 1) * self.bk * self.bn * 2
+        per = self.a_rows * self.bk * 2 + ((3 if self.halo_ws else 4) if self.halo else 1) * self.bk * self.bn * 2
         scratch = 0 if self.direct else (self.bh * self.bw if self.halo else self.bm) * self.bn * 2
         return self.stages * per + scratch
 
@@ -395,6 +406,136 @@ if gluon is not None:
         gl.store(y_ptr + off, out, mask=mask)
 
 
+    # --- d halo, warp-specialized (GluonTile.halo and .ws: BD = 4, two MMA warpgroups) ----------
+    #
+    # A step is (kh, kw, channel block): one copy of the BD + 2 input planes the three kd taps of
+    # the box read (two copies: 4 planes into `a_lo`, 2 into `a_hi`; shapes are powers of two) and
+    # the three weight tiles (one allocation per kd: no rounding to four), so each input plane is
+    # read from L2 once per (kh, kw) instead of three times. Output plane p at tap kd is the MMA of
+    # input plane p + kd, a whole-plane row slice (Gluon slices rows only at multiples of their
+    # length). Two MMA warpgroups take two output planes each (an accumulator per plane); a loader
+    # warp runs the copies STAGES deep; a stage goes back to it once both warpgroups retired its
+    # MMAs. Each output element is still one fixed-order sum over (kh, kw, channel, kd).
+
+    @gluon.jit
+    def _plane(a_lo, a_hi, s, q: gl.constexpr, BD: gl.constexpr, PLANE: gl.constexpr):
+        if q < BD:
+            r = a_lo.index(s).slice(q * PLANE, PLANE, dim=0)
+        else:
+            r = a_hi.index(s).slice((q - BD) * PLANE, PLANE, dim=0)
+        return r
+
+    @gluon.jit
+    def _halo_loader(x_desc, xh_desc, w_desc, a_lo, a_hi, b0, b1, b2, ready, empty, pid, nprog,
+                     num_tiles, tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD: gl.constexpr,
+                     BH: gl.constexpr, BW: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
+                     STAGES: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr):
+        PLANE: gl.constexpr = BH * BW
+        steps = 9 * blocks_c
+        total = ((num_tiles - pid + nprog - 1) // nprog) * steps
+        for g in range(total):
+            s = g % STAGES
+            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+            n, d0, h0, w0, n0 = _tile_origin(pid + (g // steps) * nprog, tiles_n, tiles_w, tiles_h,
+                                             tiles_d, BD, BH, BW, BN)
+            it = g % steps
+            c0 = (it % blocks_c) * BK
+            t = it // blocks_c
+            kw = t % 3
+            kh = t // 3
+            bar = ready.index(s)
+            mbarrier.expect(bar, (BD + 2) * PLANE * BK * 2 + 3 * BK * BN * 2)
+            if PUBLIC_REINTERPRET:
+                lo = a_lo.index(s).reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
+                hi = a_hi.index(s).reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
+            else:
+                lo = a_lo.index(s)._reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
+                hi = a_hi.index(s)._reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
+            _tma_load(x_desc, [n, d0 - 1, h0 - 1 + kh, w0 - 1 + kw, c0], bar, lo)
+            _tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, c0], bar, hi)
+            tap = kh * 3 + kw
+            _tma_load(w_desc, [tap * Cin + c0, n0], bar, b0.index(s))
+            _tma_load(w_desc, [(9 + tap) * Cin + c0, n0], bar, b1.index(s))
+            _tma_load(w_desc, [(18 + tap) * Cin + c0, n0], bar, b2.index(s))
+
+    @gluon.jit
+    def _halo_mma(a_lo, a_hi, b0, b1, b2, ready, empty, y_ptr, b_ptr, pid, nprog, num_tiles, tiles_n,
+                  tiles_w, tiles_h, tiles_d, blocks_c, Cout, D, H, W, syn, syc, syd, syh, syw,
+                  P0: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr,
+                  BN: gl.constexpr, STAGES: gl.constexpr, MMA_LAYOUT: gl.constexpr,
+                  OUT_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """Output planes P0 and P0 + 1 of each tile, one accumulator each."""
+        PLANE: gl.constexpr = BH * BW
+        steps = 9 * blocks_c
+        for i in range((num_tiles - pid + nprog - 1) // nprog):
+            acc0 = gl.zeros([PLANE, BN], gl.float32, layout=MMA_LAYOUT)
+            acc1 = gl.zeros([PLANE, BN], gl.float32, layout=MMA_LAYOUT)
+            for k in range(steps):
+                g = i * steps + k
+                s = g % STAGES
+                mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+                acc0 = warpgroup_mma(_plane(a_lo, a_hi, s, P0, BD, PLANE), b0.index(s), acc0, is_async=True)
+                acc1 = warpgroup_mma(_plane(a_lo, a_hi, s, P0 + 1, BD, PLANE), b0.index(s), acc1,
+                                     is_async=True)
+                acc0 = warpgroup_mma(_plane(a_lo, a_hi, s, P0 + 1, BD, PLANE), b1.index(s), acc0,
+                                     is_async=True)
+                acc1 = warpgroup_mma(_plane(a_lo, a_hi, s, P0 + 2, BD, PLANE), b1.index(s), acc1,
+                                     is_async=True)
+                acc0 = warpgroup_mma(_plane(a_lo, a_hi, s, P0 + 2, BD, PLANE), b2.index(s), acc0,
+                                     is_async=True)
+                acc1 = warpgroup_mma(_plane(a_lo, a_hi, s, P0 + 3, BD, PLANE), b2.index(s), acc1,
+                                     is_async=True)
+                # This step's six MMAs may run on; the previous step's have retired: its stage is free.
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=6, deps=(acc0, acc1))
+                if g > 0:
+                    mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            tn, td0, th0, tw0, tn0 = _tile_origin(pid + i * nprog, tiles_n, tiles_w, tiles_h, tiles_d,
+                                                  BD, BH, BW, BN)
+            _store(acc0, y_ptr, b_ptr, tn, td0 + P0, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd, syh,
+                   syw, PLANE, BH, BW, BN, OUT_LAYOUT, HAS_BIAS)
+            _store(acc1, y_ptr, b_ptr, tn, td0 + P0 + 1, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd,
+                   syh, syw, PLANE, BH, BW, BN, OUT_LAYOUT, HAS_BIAS)
+
+    @gluon.jit
+    def _conv3x3x3_halo_ws_kernel(x_desc, xh_desc, w_desc, y_ptr, b_ptr, Cin, Cout, D, H, W, tiles_d,
+                                  tiles_h, tiles_w, tiles_n, num_tiles, blocks_c, syn, syc, syd, syh,
+                                  syw, BD: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr,
+                                  BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                                  HALO: gl.constexpr, A_ROWS: gl.constexpr, A2_LAYOUT: gl.constexpr,
+                                  MMA_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
+                                  PUBLIC_REINTERPRET: gl.constexpr, WS: gl.constexpr,
+                                  HAS_BIAS: gl.constexpr):
+        PLANE: gl.constexpr = BH * BW
+        a_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BD * PLANE, BK], A2_LAYOUT)
+        a_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * PLANE, BK], A2_LAYOUT)
+        b0 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
+        b1 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
+        b2 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both MMA warpgroups release a stage
+        fence_async_shared()
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        gl.warp_specialize([
+            (_halo_mma, (a_lo, a_hi, b0, b1, b2, ready, empty, y_ptr, b_ptr, pid, nprog, num_tiles,
+                         tiles_n, tiles_w, tiles_h, tiles_d, blocks_c, Cout, D, H, W, syn, syc, syd,
+                         syh, syw, 0, BD, BH, BW, BN, STAGES, MMA_LAYOUT, OUT_LAYOUT, HAS_BIAS)),
+            (_halo_mma, (a_lo, a_hi, b0, b1, b2, ready, empty, y_ptr, b_ptr, pid, nprog, num_tiles,
+                         tiles_n, tiles_w, tiles_h, tiles_d, blocks_c, Cout, D, H, W, syn, syc, syd,
+                         syh, syw, 2, BD, BH, BW, BN, STAGES, MMA_LAYOUT, OUT_LAYOUT, HAS_BIAS)),
+            (_halo_loader, (x_desc, xh_desc, w_desc, a_lo, a_hi, b0, b1, b2, ready, empty, pid, nprog,
+                            num_tiles, tiles_n, tiles_w, tiles_h, tiles_d, Cin, blocks_c, BD, BH, BW,
+                            BK, BN, STAGES, PUBLIC_REINTERPRET)),
+        ], [4, 1], [232, 40])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+
 last_compiled = None  # the last launch's compiled kernel (its .asm: ptx, cubin; for inspection)
 
 
@@ -406,7 +547,8 @@ def _public_reinterpret() -> bool:
 @functools.lru_cache(maxsize=None)
 def _layouts(tile: GluonTile):
     """(A ring layout, MMA accumulator layout, epilogue layout, x box layout, weight tile layout)."""
-    a2 = gl.NVMMASharedLayout.get_default_for([tile.a_rows, tile.bk], gl.bfloat16)
+    a_rows = tile.bd * tile.bh * tile.bw if tile.halo_ws else tile.a_rows
+    a2 = gl.NVMMASharedLayout.get_default_for([a_rows, tile.bk], gl.bfloat16)
     mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[tile.warps, 1],
                                     instr_shape=[16, tile.bn, 16])  # BM (or a plane) ≥ 16·warps
     tpw_n = min(tile.bn // 8, 32)
@@ -446,7 +588,7 @@ def kernel_arguments(xv, wm, out, tile: GluonTile, bias=None, sms: int = 132) ->
     tiles_n = -(-cout // tile.bn)
     num_tiles = n * tiles[0] * tiles[1] * tiles[2] * tiles_n
     programs = num_tiles
-    if (tile.persistent or tile.ws) and not tile.halo:  # as many programs as run on the device at once
+    if ((tile.persistent or tile.ws) and not tile.halo) or tile.halo_ws:  # one wave of programs
         programs = min(num_tiles, sms * tile.per_sm)
     args = (x_desc, xh_desc, w_desc, out, out if bias is None else bias, cin, cout, d, h, w, *tiles,
             tiles_n, num_tiles, -(-cin // tile.bk), *out.stride(),
@@ -460,7 +602,8 @@ def _launch(x: torch.Tensor, wm: torch.Tensor, out: torch.Tensor, tile: GluonTil
     grid, args, kwargs = kernel_arguments(x.permute(0, 2, 3, 4, 1), wm, out, tile, bias,
                                           sm_count(x.device))
     global last_compiled
-    last_compiled = _conv3x3x3_kernel[grid](*args, **kwargs)
+    kernel = _conv3x3x3_halo_ws_kernel if tile.halo_ws else _conv3x3x3_kernel
+    last_compiled = kernel[grid](*args, **kwargs)
     return out
 
 
