@@ -99,7 +99,11 @@ def test_table_covers_every_site_of_the_measured_models_and_nothing_else():
     assert len(want[7]) == 19 and len(want[8]) == 23
     sm90 = {k for k in routes.ROUTES if k.startswith("sm90|bf16|")}
     assert sm90 == want[7] | want[8]
-    assert all(len(v) == 3 and set(v) <= {routes.TRITON, routes.VENDOR} for v in routes.ROUTES.values())
+    assert all(len(v) == 3 and set(v) <= {routes.TRITON, routes.VENDOR, routes.GLUON}
+               for v in routes.ROUTES.values())
+    # the Gluon kernel has no backward-weight, and takes 3×3×3 convs only
+    assert all(v[2] != routes.GLUON and ("|k3s1p1d1|" in k or routes.GLUON not in v)
+               for k, v in routes.ROUTES.items())
 
 
 def test_shapes_beyond_32_bit_indices_are_found_from_input_or_output():

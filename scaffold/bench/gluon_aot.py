@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--cout", type=int, default=128)
     p.add_argument("--size", type=int, default=64, help="D = H = W of the input")
     p.add_argument("--dump", default="", help="write each tile's SASS here")
+    p.add_argument("--out", default="", help="write the reports (SASS left out) as JSON here")
     args = p.parse_args(argv)
     why = unavailable_reason()
     if why:
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     from scaffold.kernels.conv import gluon as G
 
     tiles = [parse_tile(t) for t in args.tiles] or [G.default_tile(64, 64), G.default_tile(128, 128)]
-    failed = 0
+    failed, reports = 0, {}
     print(f"{'tile':26s} {'regs':>5s} {'spill':>6s} {'shared':>7s} {'fits':>5s} {'HGMMA':>6s} "
           f"{'UTMALDG':>8s}  notes")
     for t in tiles:
@@ -155,14 +156,19 @@ def main(argv=None) -> int:
             r = report(compile_tile(t, args.cin, args.cout, (args.size,) * 3))
         except Exception as e:  # noqa: BLE001 - one failing tile must not lose the rest
             failed += 1
+            reports[tile_name(t)] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
             print(f"{tile_name(t):26s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
+        reports[tile_name(t)] = {k: v for k, v in r.items() if k != "sass"}
         print(f"{tile_name(t):26s} {r['registers']:5d} {r['spill_bytes']:6d} {r['shared']:7d} "
               f"{str(r['fits']):>5s} {r['hgmma']:6d} {r['utmaldg']:8d}  {','.join(r['notes']) or '-'}")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             with open(os.path.join(args.dump, tile_name(t).replace(":", "_") + ".sass"), "w") as f:
                 f.write(r["sass"])
+    if args.out:
+        from scaffold.bench import write_json
+        write_json(args.out, reports)
     return 1 if failed else 0
 
 

@@ -125,12 +125,13 @@ class GluonTile:
 
 
 def default_tile(cin: int, cout: int) -> GluonTile:
-    """The tile of a site (one box per tap, 4 stages, 8 warps, persistent): 256 voxel rows × 64
-    channels with the warp-specialized loader for 64-wide outputs (the fastest measured at 64→64,
-    256³), 128 × 128 otherwise."""
+    """The tile of a site: for 64-wide outputs the warp-specialized d-halo tile (a 4×8×8 box, each
+    input plane read once per (kh, kw); 3 stages; the fastest measured there, and faster than
+    deterministic cuDNN at 128³ and 64³: docs/performance-log.md), else 256 × 128 with the
+    warp-specialized loader, 3 stages (the fastest measured at 128 channels and wider)."""
     if cout <= 64:
-        return GluonTile(4, 8, 8, 64, stages=4, halo=False, warps=8, ws=True)
-    return GluonTile(2, 8, 8, 128, stages=4, halo=False, warps=8)
+        return GluonTile(4, 8, 8, 64, stages=3, halo=True, warps=4, ws=True, direct=True)
+    return GluonTile(4, 8, 8, 128, stages=3, halo=False, warps=8, ws=True)
 
 
 def supported(x: torch.Tensor, w: torch.Tensor, stride=(1, 1, 1), padding=(1, 1, 1),
