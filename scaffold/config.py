@@ -117,8 +117,9 @@ class OptimConfig:
 @dataclass
 class LadderConfig:
     conv: str = "auto"
-    """Rung for Conv3d sites: auto | routed | triton | vendor (auto on CUDA = routed: each direction
-    on Triton or deterministic cuDNN per measured shape, see scaffold/model/routes.py)."""
+    """Rung for Conv3d sites: auto | gluon | routed | triton | vendor (auto on CUDA = routed: each
+    direction on Triton, on the Gluon kernel (sm_90) or on deterministic cuDNN per measured shape, see
+    scaffold/model/routes.py; gluon: the Gluon kernel wherever it takes a 3×3×3 conv)."""
     conv_transpose: str = "auto"
     """Rung for ConvTranspose3d sites: auto | routed | triton | vendor."""
     group_norm: str = "auto"

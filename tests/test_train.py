@@ -173,7 +173,7 @@ def test_resume_before_the_first_checkpoint_starts_over_bitwise(baseline, cache,
     ("batch_size=1000", "batch_size=1000: expected at most the"),
     ("more_determinism=true", "more_determinism is retired"),
     ("data.n_categories=0", "data.n_categories=0: expected a positive integer"),
-    ("ladder.conv=fast", "ladder.conv='fast': expected auto | routed | triton | vendor"),
+    ("ladder.conv=fast", "ladder.conv='fast': expected auto | gluon | routed | triton | vendor"),
     ("cuda_graph=yes", "cuda_graph='yes': expected auto | on | off"),
     ("progress=2", "progress=2: expected true or false"),  # OmegaConf alone reads 2 as true
     ("cuda_graph=on device=cpu", "cuda_graph='on': expected a CUDA device and volumes not split over ranks, got device cpu"),
