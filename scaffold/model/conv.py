@@ -21,26 +21,22 @@ import torch
 import torch.nn.functional as F
 
 from scaffold.kernels import conv as K
+from scaffold.kernels.conv import gluon as G
 
 ALL_TRITON = (True, True, True)
 GLUON = "gluon"  # a route entry: our Gluon kernel (truthy: ours, not ATen)
 _NO_PAD, _NO_DIL = (0, 0, 0), (1, 1, 1)
 
 
-def _gluon():
-    from scaffold.kernels.conv import gluon
-    return gluon
-
-
 def _forward(x, w, bias, stride, padding, dilation, on):
-    if on == GLUON and _gluon().supported(x, w, stride, padding, dilation):
-        return _gluon().conv3d_forward(x, w, bias=bias)
+    if on == GLUON and G.supported(x, w, stride, padding, dilation):
+        return G.conv3d_forward(x, w, bias=bias)
     return K.conv3d_forward(x, w, bias, stride, padding, dilation)
 
 
 def _backward_data(dy, w, x_shape, stride, padding, dilation, on):
-    if on == GLUON and _gluon().supported(dy, w.transpose(0, 1), stride, padding, dilation):
-        return _gluon().conv3d_backward_data(dy, w)
+    if on == GLUON and G.supported(dy, w.transpose(0, 1), stride, padding, dilation):
+        return G.conv3d_backward_data(dy, w)
     return K.conv3d_backward_data(dy, w, x_shape, stride, padding, dilation)
 
 

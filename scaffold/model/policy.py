@@ -211,21 +211,14 @@ def _conv_transpose_forward(c: ConvTransposeCall, route) -> torch.Tensor:
 
 
 def _gluon_supports(c: ConvCall) -> bool:
-    """Metadata only: a 3×3×3 conv at stride 1, padding 1 that computes in bf16 (autocast's dtype
-    when it is on) with channels multiples of 64, on an sm_90 GPU where Gluon imports, and that the
-    Triton launchers take too (the backward-weight, and any operand the Gluon kernel declines)."""
-    x, w = c.x, c.weight
-    if not (_on_cuda(x) and c.groups == 1 and x.dim() == 5 and tuple(w.shape[2:]) == (3, 3, 3)):
-        return False
-    if (tuple(c.stride), tuple(c.padding), tuple(c.dilation)) != ((1, 1, 1),) * 3:
-        return False
-    autocast = torch.is_autocast_enabled("cuda")
-    if (torch.get_autocast_dtype("cuda") if autocast else x.dtype) != torch.bfloat16:
-        return False
-    if w.shape[0] % 64 or w.shape[1] % 64:
-        return False
+    """Metadata only: a conv the Gluon kernel takes (scaffold.kernels.conv.gluon.takes) in the dtype
+    it computes in (autocast's when it is on), and that the Triton launchers take too (the
+    backward-weight, and any operand the Gluon kernel declines at run time)."""
     gluon = kernel_module("scaffold.kernels.conv.gluon")
-    return gluon is not None and gluon.available(x.device) and _conv_supports(c)
+    if gluon is None or not _on_cuda(c.x):
+        return False
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else c.x.dtype
+    return gluon.takes(c.x, c.weight, dtype, c.stride, c.padding, c.dilation, c.groups) and _conv_supports(c)
 
 
 def _routed(supports: Callable[[Any], bool]) -> Callable[[Any], bool]:

@@ -134,19 +134,27 @@ def default_tile(cin: int, cout: int) -> GluonTile:
     return GluonTile(4, 8, 8, 128, stages=3, halo=False, warps=8, ws=True)
 
 
+def takes(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, stride=(1, 1, 1), padding=(1, 1, 1),
+          dilation=(1, 1, 1), groups: int = 1) -> bool:
+    """Metadata only: whether the kernel takes conv3d(x, w) computed in `dtype` (autocast's, where it
+    casts the operands) on x's device: bf16 on sm_90, 3×3×3, stride 1, padding 1, dilation 1,
+    channels multiples of 64 (one copy-engine row of 128 bytes per step)."""
+    if not (x.is_cuda and available(x.device)) or groups != 1 or dtype != torch.bfloat16:
+        return False
+    if x.dim() != 5 or w.dim() != 5 or tuple(w.shape[2:]) != (3, 3, 3) or w.shape[1] != x.shape[1]:
+        return False
+    if (tuple(stride), tuple(padding), tuple(dilation)) != ((1, 1, 1),) * 3:
+        return False
+    return not (x.shape[1] % 64 or w.shape[0] % 64)
+
+
 def supported(x: torch.Tensor, w: torch.Tensor, stride=(1, 1, 1), padding=(1, 1, 1),
               dilation=(1, 1, 1), groups: int = 1) -> bool:
-    """Whether the Gluon forward takes conv3d(x, w): bf16 NDHWC on sm_90, 3×3×3, stride 1, padding 1,
-    dilation 1, channels multiples of 64 (one copy-engine row of 128 bytes per step)."""
-    if not (x.is_cuda and available(x.device)) or groups != 1:
+    """Whether the Gluon forward takes these very operands: `takes` for bf16 x and w, and x NDHWC
+    contiguous on 16 bytes (the copy engine's rule)."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return False
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 5 or w.dim() != 5:
-        return False
-    if tuple(w.shape[2:]) != (3, 3, 3) or tuple(stride) != (1, 1, 1) or tuple(padding) != (1, 1, 1):
-        return False
-    if tuple(dilation) != (1, 1, 1) or w.shape[1] != x.shape[1]:
-        return False
-    if x.shape[1] % 64 or w.shape[0] % 64:
+    if not takes(x, w, x.dtype, stride, padding, dilation, groups):
         return False
     return x.permute(0, 2, 3, 4, 1).is_contiguous() and x.data_ptr() % 16 == 0  # the copy engine's rule
 
