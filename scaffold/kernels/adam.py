@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from scaffold.kernels.lib.rounding import cast_rne, to_f32
+from scaffold.kernels.lib.launch import launched
 
 BLOCK = 2048  # elements of one tensor per program
 WARPS = 8  # of the update (BLOCK and WARPS: the fastest of an H200 sweep, docs/performance-log.md)
@@ -61,6 +62,7 @@ def _sq_sum(g_ptr, offs, n, MASKED: tl.constexpr):
     return tl.sum(g * g, axis=0)
 
 
+@launched
 @triton.jit
 def _sq_partials_kernel(g_tab, kind_tab, chunk_t, chunk_s, numel, out_ptr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -84,6 +86,7 @@ def _sq_partials_kernel(g_tab, kind_tab, chunk_t, chunk_s, numel, out_ptr, BLOCK
     tl.store(out_ptr + pid, acc)
 
 
+@launched
 @triton.jit
 def _clip_kernel(partials, n, out_ptr, max_norm, BLOCK: tl.constexpr):
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -131,6 +134,7 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, n, div, lr_c, bias2_sqrt, b
             tl.store(w_ptr + offs, cast_rne(p, tl.bfloat16))
 
 
+@launched
 @triton.jit
 def _adam_kernel(p_tab, g_tab, m_tab, v_tab, w_tab, kind_tab, chunk_t, chunk_s, numel, lr_ptr, step_ptr,
                  div_ptr, beta1, beta2, eps, weight_decay,

@@ -15,8 +15,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
 from torch.autograd.function import once_differentiable
 
+from .lib.launch import launched
 from .groupnorm import MAX_CHANNELS
 from .lib.device import triton_usable
 from .lib.indexing import cdiv, next_pow2
@@ -52,6 +54,7 @@ def _copy_part(src_ptr, dst_ptr, n, s, rmask, C, c_dst0, s_sn, s_ss, s_sc, d_sn,
     tl.store(dst, cast_rne(v, dst_ptr.dtype.element_ty), mask=mask)
 
 
+@launched
 @triton.jit
 def _concat_kernel(a_ptr, b_ptr, o_ptr, rows, S, CA, CB, a_sn, a_ss, a_sc, b_sn, b_ss, b_sc,
                    o_sn, o_ss, o_sc, BLOCK_R: tl.constexpr, BLOCK_CA: tl.constexpr,
@@ -61,6 +64,7 @@ def _concat_kernel(a_ptr, b_ptr, o_ptr, rows, S, CA, CB, a_sn, a_ss, a_sc, b_sn,
     _copy_part(b_ptr, o_ptr, n, s, rmask, CB, CA, b_sn, b_ss, b_sc, o_sn, o_ss, o_sc, BLOCK_CB)
 
 
+@launched
 @triton.jit
 def _split_kernel(g_ptr, ga_ptr, gb_ptr, rows, S, CA, CB, g_sn, g_ss, g_sc, a_sn, a_ss, a_sc,
                   b_sn, b_ss, b_sc, BLOCK_R: tl.constexpr, BLOCK_CA: tl.constexpr,
@@ -72,6 +76,7 @@ def _split_kernel(g_ptr, ga_ptr, gb_ptr, rows, S, CA, CB, g_sn, g_ss, g_sc, a_sn
                BLOCK_CB)
 
 
+@launched
 @triton.jit
 def _copy_kernel(src_ptr, dst_ptr, rows, S, C, c_dst0, s_sn, s_ss, s_sc, d_sn, d_ss, d_sc,
                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):

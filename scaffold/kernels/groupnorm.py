@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from .lib.device import arch_key, dtype_key, sm_count, triton_usable
 from .lib.indexing import cdiv, next_pow2
+from .lib.launch import launched
 from .lib.layout import flat_nsc, nsc_strides
 from .lib.rounding import cast_rne, to_f32
 from .lib.splits import chunk_range
@@ -62,6 +63,7 @@ def _partials_block(p0, n, k, cols, splits, C, CG, BLOCK_P: tl.constexpr):
     return p, mask, offs
 
 
+@launched
 @triton.jit
 def _gn_fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn, x_ss, x_sc,
                          BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -94,6 +96,7 @@ def _gn_fwd_partials_kernel(x_ptr, pmean_ptr, pm2_ptr, S, C, chunk, splits, x_sn
     _store_partials(pmean_ptr, pm2_ptr, mean, m2, n, split, splits, C, BLOCK_C)
 
 
+@launched
 @triton.jit
 def _gn_fwd_combine_kernel(pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, S, C, G, CG, chunk, splits, per, R, eps,
                         BLOCK_P: tl.constexpr, BLOCK_CG: tl.constexpr):
@@ -144,6 +147,7 @@ def _channel_params(mean_ptr, rstd_ptr, w_ptr, b_ptr, n, C, G, CG,
     return mean, rstd, w, b
 
 
+@launched
 @triton.jit
 def _gn_fwd_normalize_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, S, C, G, CG,
                           x_sn, x_ss, x_sc, y_sn, y_ss, y_sc,
@@ -177,6 +181,7 @@ def _masked_grad(x, dy, mean, rstd, w, b, RELU: tl.constexpr):
     return xhat, dy
 
 
+@launched
 @triton.jit
 def _gn_bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_ptr, pgx_ptr,
                          S, C, G, CG, chunk, splits, x_sn, x_ss, x_sc, d_sn, d_ss, d_sc,
@@ -206,6 +211,7 @@ def _gn_bwd_partials_kernel(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, pg_
     _store_partials(pg_ptr, pgx_ptr, sum_g, sum_gx, n, split, splits, C, BLOCK_C)
 
 
+@launched
 @triton.jit
 def _gn_bwd_combine_kernel(pg_ptr, pgx_ptr, w_ptr, sg_ptr, sgx_ptr, c1_ptr, c2_ptr, S, C, G, CG, splits,
                         HAS_W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_CG: tl.constexpr):
@@ -235,6 +241,7 @@ def _gn_bwd_combine_kernel(pg_ptr, pgx_ptr, w_ptr, sg_ptr, sgx_ptr, c1_ptr, c2_p
     tl.store(c2_ptr + n * G + g, tl.sum(w * sum_gx, axis=0) / total)
 
 
+@launched
 @triton.jit
 def _gn_sum_over_batch_kernel(sg_ptr, sgx_ptr, db_ptr, dw_ptr, N, C, BLOCK: tl.constexpr):
     """dbias = Σ g and dweight = Σ g·x̂ per channel, the samples' sums added in order."""
@@ -249,6 +256,7 @@ def _gn_sum_over_batch_kernel(sg_ptr, sgx_ptr, db_ptr, dw_ptr, N, C, BLOCK: tl.c
     tl.store(dw_ptr + cols, cast_rne(dw, dw_ptr.dtype.element_ty), mask=mask)
 
 
+@launched
 @triton.jit
 def _gn_bwd_dx_kernel(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, c1_ptr, c2_ptr,
                    S, C, G, CG, x_sn, x_ss, x_sc, d_sn, d_ss, d_sc, o_sn, o_ss, o_sc,

@@ -22,8 +22,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
 from torch.autograd.function import once_differentiable
 
+from .lib.launch import launched
 from .groupnorm import (_channel_params, _masked_grad, _store_partials, _tile_ptrs, group_norm_supported,
                         merge_grad_sums, plan_for, statistics)
 from .conv.gather import dot_mode, mma
@@ -72,6 +74,7 @@ def _head_dy(dl, hw_ptr, C, K, Y_DTYPE: tl.constexpr, PRECISION: tl.constexpr, U
 
 # --- kernels --------------------------------------------------------------------------------------
 
+@launched
 @triton.jit
 def _nh_fwd_kernel(x_ptr, lg_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_ptr, hb_ptr, S, C, G, CG, K,
                    x_sn, x_ss, x_sc, l_sn, l_ss, l_sc,
@@ -96,6 +99,7 @@ def _nh_fwd_kernel(x_ptr, lg_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_ptr, hb_p
     tl.store(lp, cast_rne(logits, lg_ptr.dtype.element_ty), mask=lmask)
 
 
+@launched
 @triton.jit
 def _nh_bwd_partials_kernel(x_ptr, dl_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_ptr, pg_ptr, pgx_ptr, pw_ptr,
                             pb_ptr, S, C, G, CG, K, chunk, splits, x_sn, x_ss, x_sc, l_sn, l_ss, l_sc,
@@ -152,6 +156,7 @@ def _nh_bwd_partials_kernel(x_ptr, dl_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_
     tl.store(pb_ptr + row * K + ks, acc_b, mask=ks < K)
 
 
+@launched
 @triton.jit
 def _nh_head_grads_kernel(pw_ptr, pb_ptr, dw_ptr, db_ptr, rows, K, C, HAS_HB: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
@@ -177,6 +182,7 @@ def _nh_head_grads_kernel(pw_ptr, pb_ptr, dw_ptr, db_ptr, rows, K, C, HAS_HB: tl
                      mask=kmask)
 
 
+@launched
 @triton.jit
 def _nh_bwd_dx_kernel(x_ptr, dl_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, hw_ptr, c1_ptr, c2_ptr,
                       S, C, G, CG, K, x_sn, x_ss, x_sc, l_sn, l_ss, l_sc, o_sn, o_ss, o_sc,

@@ -15,8 +15,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
 from torch.autograd.function import once_differentiable
 
+from .lib.launch import launched
 from .lib.device import triton_usable
 from .lib.indexing import cdiv, next_pow2, voxel_coords
 from .lib.layout import empty_channels_last
@@ -39,6 +41,7 @@ def _offsets(p, c, DO, HO, WO, sn, sc, sd, sh, sw, STEP: tl.constexpr):
     return row[:, None] + c[None, :].to(tl.int64) * sc
 
 
+@launched
 @triton.jit
 def _pool_fwd_kernel(x_ptr, y_ptr, i_ptr, P, C, DO, HO, WO,
                      sxn, sxc, sxd, sxh, sxw, syn, syc, syd, syh, syw,
@@ -65,6 +68,7 @@ def _pool_fwd_kernel(x_ptr, y_ptr, i_ptr, P, C, DO, HO, WO,
     tl.store(i_ptr + dst, index.to(tl.uint8), mask=mask)
 
 
+@launched
 @triton.jit
 def _pool_bwd_kernel(g_ptr, i_ptr, dx_ptr, a_ptr, P, C, DO, HO, WO,
                      sgn, sgc, sgd, sgh, sgw, sin, sic, sid, sih, siw, sxn, sxc, sxd, sxh, sxw,

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .lib.launch import launched
 from .lib.device import arch_key, sm_count, triton_usable
 from .lib.indexing import cdiv, next_pow2
 from .lib.layout import flat_nsc, nsc_strides
@@ -101,6 +102,7 @@ def _softmax_tile(z_base, y_base, w, v0, end, C, z_sv, z_sc, y_sv,
     return logp, p, onehot, wy, mask, rmask
 
 
+@launched
 @triton.jit
 def _loss_fwd_partials_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, C, K, chunk, splits,
                               z_sn, z_sv, z_sc, y_sn, y_sv,
@@ -130,6 +132,7 @@ def _loss_fwd_partials_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, C, K, chunk, spl
     _store_partial_sums(part_ptr, n, split, splits, K, nll, wsum, inter, psum, gsum, cols, cmask, C)
 
 
+@launched
 @triton.jit
 def _loss_finalize_kernel(part_ptr, sums_ptr, loss_ptr, ce_ptr, dice_ptr, N, C, K, splits, eps,
                           BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -176,6 +179,7 @@ def _loss_finalize_kernel(part_ptr, sums_ptr, loss_ptr, ce_ptr, dice_ptr, N, C, 
     tl.store(loss_ptr, ce + (1.0 - dice_total / N))
 
 
+@launched
 @triton.jit
 def _loss_bwd_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_ptr, N, V, C, K, eps,
                      z_sn, z_sv, z_sc, y_sn, y_sv, d_sn, d_sv, d_sc,
@@ -234,6 +238,7 @@ def _row_stats(zrow, rmask, z_sc, C: tl.constexpr):
     return m, tl.log(se)
 
 
+@launched
 @triton.jit
 def _loss_fwd_partials_rows_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, K, chunk, splits,
                                    z_sn, z_sv, z_sc, y_sn, y_sv,
@@ -288,6 +293,7 @@ def _store_class_sums(out, acc_i, acc_p, acc_g, c: tl.constexpr, C: tl.constexpr
         tl.store(out + 2 + 2 * C + c, tl.sum(acc_g, axis=0))
 
 
+@launched
 @triton.jit
 def _loss_fwd_partials_unrolled_kernel(z_ptr, y_ptr, w_ptr, part_ptr, V, K, chunk, splits,
                                        z_sn, z_sv, z_sc, y_sn, y_sv,
@@ -357,6 +363,7 @@ def _dice_coef(sums_ptr, n, K, beta, eps, c: tl.constexpr, C: tl.constexpr):
     return a, b
 
 
+@launched
 @triton.jit
 def _loss_bwd_rows_kernel(z_ptr, y_ptr, w_ptr, sums_ptr, gl_ptr, gc_ptr, gd_ptr, dz_ptr, N, V, K, eps,
                           z_sn, z_sv, z_sc, y_sn, y_sv, d_sn, d_sv, d_sc,

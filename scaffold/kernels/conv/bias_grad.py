@@ -11,10 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..lib.launch import launched
 from ..lib.indexing import cdiv, next_pow2, voxel_rows
 from ..lib.splits import chunk_range, split_plan, sum_splits
 
 
+@launched
 @triton.jit
 def _bias_grad_kernel(g_ptr, p_ptr, M, C, CHUNK, OD, OH, OW, sgn, sgc, sgd, sgh, sgw,
                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..lib.launch import launched
 from ..lib.device import cuda_major, sm_count
 from ..lib.indexing import cdiv, grouped_program, next_pow2, tap_coords, voxel_coords
 from ..lib.splits import split_plan, sum_splits, wave_split_plan
@@ -37,6 +38,7 @@ def _box_origin(box, tiles_d, tiles_h, tiles_w, BD: tl.constexpr, BH: tl.constex
     return n, td * BD, th * BH, tw * BW
 
 
+@launched
 @triton.jit
 def _conv_box_kernel(
     x_desc, w_desc, b_ptr, y_ptr,
@@ -102,6 +104,7 @@ def _wgrad_store(p_ptr, acc, split, tap, offs_r, offs_c, R, C, Q):
              mask=(offs_r < R)[:, None] & (offs_c < C)[None, :])
 
 
+@launched
 @triton.jit
 def _conv_box_wgrad_kernel(
     g_desc, x_desc, p_ptr,

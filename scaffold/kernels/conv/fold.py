@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..lib.launch import launched
 from ..lib.indexing import cdiv, next_pow2, tap_coords, voxel_coords
 
 FOLD_MAX = 64  # fold when KH·KW·Cin is at most this (the stem: 27)
@@ -48,6 +49,7 @@ def pad_channels(t: torch.Tensor, cp: int) -> torch.Tensor:
     return out
 
 
+@launched
 @triton.jit
 def _fold_hw_kernel(x_ptr, out_ptr, J, KP, D, HO, WO, H, W, total,
                     sxn, sxc, sxd, sxh, sxw, PH, PW, DH, DW,

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..lib.launch import launched
 from ..lib.indexing import cdiv, grouped_program, tap_coords, voxel_coords
 
 
@@ -73,6 +74,7 @@ def input_coords(od, oh, ow, kd, kh, kw, ID, IH, IW, SD, SH, SW, PD, PH, PW, DD,
     return idd, ih, iw, ok
 
 
+@launched
 @triton.jit
 def _conv_gather_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,

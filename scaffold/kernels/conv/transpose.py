@@ -16,10 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..lib.launch import launched
 from ..lib.indexing import cdiv, tap_coords
 from .gather import dot_mode, mma, voxel_gemm_tile
 
 
+@launched
 @triton.jit
 def _convT_scatter_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,

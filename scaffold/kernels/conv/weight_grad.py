@@ -16,11 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..lib.launch import launched
 from ..lib.indexing import cdiv, tap_coords, voxel_rows
 from ..lib.splits import chunk_range, split_plan, sum_splits
 from .gather import dot_mode, input_coords, mma
 
 
+@launched
 @triton.jit
 def _conv_wgrad_kernel(
     g_ptr, x_ptr, p_ptr,

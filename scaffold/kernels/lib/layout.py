@@ -5,18 +5,25 @@ are contiguous among themselves (S = D·H·W): kernels take its three strides an
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 
-def nsc_strides(t: torch.Tensor) -> Optional[tuple[int, int, int]]:
-    """Strides of t seen as [N, S, C] (S = the flattened D, H, W), or None if D, H, W do not collapse."""
-    spatial = [(t.shape[i], t.stride(i)) for i in (2, 3, 4) if t.shape[i] != 1]
+@functools.lru_cache(maxsize=4096)
+def _nsc(shape: tuple, stride: tuple) -> Optional[tuple[int, int, int]]:
+    spatial = [(shape[i], stride[i]) for i in (2, 3, 4) if shape[i] != 1]
     for (_, outer), (size, inner) in zip(spatial, spatial[1:]):
         if outer != size * inner:
             return None
-    return t.stride(0), (spatial[-1][1] if spatial else 1), t.stride(1)
+    return stride[0], (spatial[-1][1] if spatial else 1), stride[1]
+
+
+def nsc_strides(t: torch.Tensor) -> Optional[tuple[int, int, int]]:
+    """Strides of t seen as [N, S, C] (S = the flattened D, H, W), or None if D, H, W do not collapse.
+    A pure function of the shape and strides, looked up once per pair (it runs at every launch)."""
+    return _nsc(t.shape, t.stride())
 
 
 def flat_nsc(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:

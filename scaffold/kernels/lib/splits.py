@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launched
 from .device import sm_count
 from .indexing import cdiv
 
@@ -84,6 +85,7 @@ def chunk_range(split, chunk, total):
     return start, end
 
 
+@launched
 @triton.jit
 def _sum_splits_kernel(p_ptr, out_ptr, S, L, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
