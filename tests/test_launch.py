@@ -55,6 +55,14 @@ def test_key_covers_tensor_descriptors():
     for (a, ka), (b, kb) in itertools.combinations(zip(descs, keys), 2):
         if ka == kb:
             assert spec(a) == spec(b)
+    try:  # Gluon's descriptor also carries a shared-memory layout: it takes Triton's path
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    except Exception:  # noqa: BLE001 - a Triton without Gluon
+        return
+    layout = gl.NVMMASharedLayout.get_default_for([16, 32], gl.bfloat16)
+    g = GluonDescriptor(x.view(64, 256), [64, 256], [256, 1], [16, 32], layout)
+    assert launch.arg_key(g, False) is launch._FALLBACK
 
 
 def test_constexpr_key_is_by_type_and_value():

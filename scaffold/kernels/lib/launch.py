@@ -15,7 +15,7 @@ own specialization, so it can never select a kernel Triton would not have select
 - an int: whether it is 1, whether it is a multiple of 16, and its width class (32-bit, 64-bit,
   unsigned 64-bit);
 - a float, a bool (non-constexpr): the type only (Triton does not specialize them);
-- a host tensor descriptor: its dtype, block shape, shape, strides and padding (Triton keys on the
+- Triton's host tensor descriptor: its dtype, block shape, shape, strides and padding (Triton keys on the
   dtype and block shape);
 - a constexpr (positional or keyword) and every keyword option (`num_warps`, ...): its value;
 - the current CUDA device.
@@ -40,6 +40,11 @@ _Tensor = torch.Tensor
 _INT32_LO, _INT32_HI = -(2 ** 31), 2 ** 31
 _INT64_LO, _INT64_HI = -(2 ** 63), 2 ** 63
 _FALLBACK = object()
+
+try:  # Triton's host tensor descriptor (not Gluon's, whose layout is part of its specialization)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _HOST_DESCRIPTOR
+except Exception:  # noqa: BLE001 - no Triton, or one without host descriptors
+    _HOST_DESCRIPTOR = None
 
 _counts = {"direct": 0, "triton": 0}  # launches by path, for tests and benchmarks
 
@@ -69,7 +74,7 @@ def arg_key(a: Any, constexpr: bool) -> Any:
         return t
     if a is None:
         return None
-    if t.__name__ == "TensorDescriptor" and hasattr(a, "block_shape") and isinstance(a.base, _Tensor):
+    if t is _HOST_DESCRIPTOR and isinstance(a.base, _Tensor):
         # Triton specializes a host descriptor on its dtype and block shape (3.6-3.9); the shape,
         # strides and padding are in the key as well, so any later specialization on them is covered.
         return (t, a.base.dtype, tuple(a.block_shape), tuple(a.shape), tuple(a.strides),
