@@ -55,14 +55,26 @@ def test_key_covers_tensor_descriptors():
     for (a, ka), (b, kb) in itertools.combinations(zip(descs, keys), 2):
         if ka == kb:
             assert spec(a) == spec(b)
-    try:  # Gluon's descriptor also carries a shared-memory layout: it takes Triton's path
+    try:  # Gluon's descriptor also carries a shared-memory layout: it is part of the key
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     except Exception:  # noqa: BLE001 - a Triton without Gluon
         return
-    layout = gl.NVMMASharedLayout.get_default_for([16, 32], gl.bfloat16)
-    g = GluonDescriptor(x.view(64, 256), [64, 256], [256, 1], [16, 32], layout)
-    assert launch.arg_key(g, False) is launch._FALLBACK
+    v = x.view(64, 256)
+    l64 = gl.NVMMASharedLayout.get_default_for([16, 32], gl.bfloat16)
+    l32 = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    gdescs = [GluonDescriptor(v, [64, 256], [256, 1], [16, 32], l64),
+              GluonDescriptor(v, [64, 256], [256, 1], [16, 32], l32),
+              GluonDescriptor(v, [64, 256], [256, 1], [16, 32],
+                              gl.NVMMASharedLayout.get_default_for([16, 32], gl.bfloat16))]
+    gkeys = [launch.arg_key(d, False) for d in gdescs]
+    assert launch._FALLBACK not in gkeys
+    assert gkeys[0] != gkeys[1] and gkeys[0] == gkeys[2]  # by the layout's value
+    for (a, ka), (b, kb) in itertools.combinations(zip(descs + gdescs, keys + gkeys), 2):
+        if ka == kb:
+            assert spec(a) == spec(b)
+        else:
+            assert ka != kb
 
 
 def test_constexpr_key_is_by_type_and_value():
@@ -249,3 +261,24 @@ def test_misaligned_inputs_take_their_own_kernel():
     for _ in range(2):
         for t, e in zip((aligned, shifted), expect):
             assert torch.equal(gn.forward(t, 8, None, None, 1e-5, True, torch.float32)[0], e)
+
+
+@pytest.mark.gpu
+def test_gluon_conv_launches_direct_with_the_same_bits(monkeypatch):
+    from scaffold.kernels.conv import gluon as G
+
+    if not G.available():
+        pytest.skip(G.unavailable_reason())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn((1, 64, 16, 16, 16), generator=g, device="cuda").to(torch.bfloat16)
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    w = (0.05 * torch.randn((64, 64, 3, 3, 3), generator=g, device="cuda")).to(torch.bfloat16)
+    monkeypatch.setattr(launch, "enabled", False)
+    ref = (G.conv3d_forward(x, w), G.conv3d_backward_data(x, w))
+    monkeypatch.setattr(launch, "enabled", True)
+    before = launch.counts()
+    for _ in range(2):
+        got = (G.conv3d_forward(x, w), G.conv3d_backward_data(x, w))
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    after = launch.counts()
+    assert after["direct"] - before["direct"] >= 2

@@ -87,7 +87,9 @@ def compile_tile(tile, cin: int = 128, cout: int = 128, size: tuple = (64, 64, 6
 
     from scaffold.kernels.conv import gluon as G
 
-    fn = G._conv3x3x3_halo_ws_kernel if tile.halo_ws else G._conv3x3x3_kernel
+    from scaffold.kernels.lib.launch import unwrap
+
+    fn = unwrap(G._conv3x3x3_halo_ws_kernel if tile.halo_ws else G._conv3x3x3_kernel)
     backend = make_backend(_target())
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     xv, wm, out, b = _stand_ins(tile, n, cin, cout, size)

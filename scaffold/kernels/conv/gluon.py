@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..lib.device import sm_count
+from ..lib.launch import launched
 
 try:  # Gluon ships with Triton >= 3.4 as an experimental package; its API moves between releases
     from triton.experimental import gluon
@@ -207,6 +208,7 @@ if gluon is not None:
             tap = ((kd + j) * 3 + kh) * 3 + kw
             _tma_load(w_desc, [tap * Cin + c0, n0], bar, b_bufs.index(s * B_SLOTS + j))
 
+    @launched
     @gluon.jit
     def _conv3x3x3_kernel(x_desc, xh_desc, w_desc, y_ptr, b_ptr, Cin, Cout, D, H, W, tiles_d, tiles_h, tiles_w,
                           tiles_n, num_tiles, blocks_c, syn, syc, syd, syh, syw,
@@ -506,6 +508,7 @@ if gluon is not None:
             _store(acc1, y_ptr, b_ptr, tn, td0 + P0 + 1, th0, tw0, tn0, Cout, D, H, W, syn, syc, syd,
                    syh, syw, PLANE, BH, BW, BN, OUT_LAYOUT, HAS_BIAS)
 
+    @launched
     @gluon.jit
     def _conv3x3x3_halo_ws_kernel(x_desc, xh_desc, w_desc, y_ptr, b_ptr, Cin, Cout, D, H, W, tiles_d,
                                   tiles_h, tiles_w, tiles_n, num_tiles, blocks_c, syn, syc, syd, syh,
@@ -612,7 +615,9 @@ def _launch(x: torch.Tensor, wm: torch.Tensor, out: torch.Tensor, tile: GluonTil
                                           sm_count(x.device))
     global last_compiled
     kernel = _conv3x3x3_halo_ws_kernel if tile.halo_ws else _conv3x3x3_kernel
-    last_compiled = kernel[grid](*args, **kwargs)
+    compiled = kernel[grid](*args, **kwargs)
+    if compiled is not None:  # None: launched directly, the kernel seen before
+        last_compiled = compiled
     return out
 
 

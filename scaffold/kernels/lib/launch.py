@@ -15,8 +15,8 @@ own specialization, so it can never select a kernel Triton would not have select
 - an int: whether it is 1, whether it is a multiple of 16, and its width class (32-bit, 64-bit,
   unsigned 64-bit);
 - a float, a bool (non-constexpr): the type only (Triton does not specialize them);
-- Triton's host tensor descriptor: its dtype, block shape, shape, strides and padding (Triton keys on the
-  dtype and block shape);
+- a tensor descriptor (Triton's host one, Gluon's): its dtype, block shape, shape, strides, padding
+  and layout (Triton keys on the dtype, the block shape and Gluon's layout);
 - a constexpr (positional or keyword) and every keyword option (`num_warps`, ...): its value;
 - the current CUDA device.
 
@@ -41,10 +41,14 @@ _INT32_LO, _INT32_HI = -(2 ** 31), 2 ** 31
 _INT64_LO, _INT64_HI = -(2 ** 63), 2 ** 63
 _FALLBACK = object()
 
-try:  # Triton's host tensor descriptor (not Gluon's, whose layout is part of its specialization)
+try:  # Triton's host tensor descriptor
     from triton.tools.tensor_descriptor import TensorDescriptor as _HOST_DESCRIPTOR
 except Exception:  # noqa: BLE001 - no Triton, or one without host descriptors
     _HOST_DESCRIPTOR = None
+try:  # Gluon's (Hopper's): it carries the shared-memory layout, part of its specialization
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GLUON_DESCRIPTOR
+except Exception:  # noqa: BLE001 - a Triton without Gluon
+    _GLUON_DESCRIPTOR = None
 
 _counts = {"direct": 0, "triton": 0}  # launches by path, for tests and benchmarks
 
@@ -74,11 +78,15 @@ def arg_key(a: Any, constexpr: bool) -> Any:
         return t
     if a is None:
         return None
-    if t is _HOST_DESCRIPTOR and isinstance(a.base, _Tensor):
-        # Triton specializes a host descriptor on its dtype and block shape (3.6-3.9); the shape,
-        # strides and padding are in the key as well, so any later specialization on them is covered.
+    if (t is _HOST_DESCRIPTOR or t is _GLUON_DESCRIPTOR) and isinstance(a.base, _Tensor):
+        # Triton specializes a descriptor on its dtype and block shape, and Gluon's also on its
+        # layout (3.6-3.9); the shape, strides and padding are in the key as well, so any later
+        # specialization on them is covered.
+        layout = getattr(a, "layout", None)
+        if layout is not None and layout.__hash__ is None:
+            return _FALLBACK
         return (t, a.base.dtype, tuple(a.block_shape), tuple(a.shape), tuple(a.strides),
-                getattr(a, "padding", None), getattr(a, "round_f32_to_tf32", None))
+                getattr(a, "padding", None), getattr(a, "round_f32_to_tf32", None), layout)
     return _FALLBACK
 
 
@@ -182,6 +190,11 @@ class Launched:
             if tail is not None:
                 self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
         return kernel
+
+
+def unwrap(kernel: Any) -> Any:
+    """The Triton kernel itself (a JITFunction), decorated or not."""
+    return kernel.fn if isinstance(kernel, Launched) else kernel
 
 
 def launched(fn: Any) -> Launched:
