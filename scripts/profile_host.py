@@ -53,13 +53,15 @@ def main(argv=None) -> int:
     launches = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA
                    and not getattr(e, "is_user_annotation", False))
 
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # the device stays busy while the host profiles
     prof_py = cProfile.Profile()
-    prof_py.enable()
     for i in range(args.steps):
+        # One step at a time behind a device-side sleep: no launch waits for the device (with several
+        # steps queued at once, the launch queue fills and a launch blocks until kernels finish).
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(5e8))
+        prof_py.enable()
         step(masks[i % len(masks)])
-    prof_py.disable()
+        prof_py.disable()
     torch.cuda.synchronize()
     stats = pstats.Stats(prof_py)
     rows = []

@@ -40,6 +40,9 @@ _Tensor = torch.Tensor
 _INT32_LO, _INT32_HI = -(2 ** 31), 2 ** 31
 _INT64_LO, _INT64_HI = -(2 ** 63), 2 ** 63
 _FALLBACK = object()
+_Parameter = torch.nn.Parameter
+# int_class of a 32-bit int, indexed by (v == 1) + 2 * (v % 16 == 0): the same tuples, built once
+_SMALL_INT = ((False, False, 0), (True, False, 0), (False, True, 0), (True, True, 0))
 
 try:  # Triton's host tensor descriptor
     from triton.tools.tensor_descriptor import TensorDescriptor as _HOST_DESCRIPTOR
@@ -134,27 +137,49 @@ class Launched:
         except Exception:  # noqa: BLE001 - a Triton without knobs: launch hooks cannot be seen
             return
         stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # Triton's own stream query
-        if stream is None:  # a build without CUDA
+        device = getattr(torch._C, "_cuda_getDevice", None)
+        if stream is None or device is None:  # a build without CUDA
             return
-        self._device, self._stream = torch.cuda.current_device, stream
+        # torch.cuda.current_device without its Python lazy-init wrapper: a launch's tensors are on the
+        # device already, so CUDA is initialized.
+        self._device, self._stream = device, stream
         self._direct_ok = True
 
     def __getitem__(self, grid) -> Callable:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def _key(self, args: tuple, kwargs: dict):
+        # arg_key inlined for the common kinds (a tensor, an int, a constexpr): this runs on every
+        # launch, and a Python call per argument costs as much as what it computes.
         parts = []
+        append = parts.append
         for a, c in zip(args, self._constexpr):
+            t = type(a)
+            if c:
+                if t is int or t is bool or t is float or t is str:
+                    append(("c", t, a))
+                    continue
+            elif t is int:
+                if _INT32_LO <= a < _INT32_HI:
+                    append(_SMALL_INT[(a == 1) + 2 * (not a & 15)])
+                else:
+                    append(int_class(a))
+                continue
+            elif t is _Tensor or t is _Parameter:
+                append((a.dtype, not a.data_ptr() & 15))
+                continue
             k = arg_key(a, c)
             if k is _FALLBACK:
                 return None
-            parts.append(k)
-        for name, v in kwargs.items():
-            if name in self._param_names and name not in self._constexpr_names:
-                return None  # a runtime argument by keyword: its position is not known here
-            if isinstance(v, _Tensor) or v.__hash__ is None:
-                return None
-        return (self._device(), tuple(parts), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
+            append(k)
+        if kwargs:
+            for name, v in kwargs.items():
+                if name in self._param_names and name not in self._constexpr_names:
+                    return None  # a runtime argument by keyword: its position is not known here
+                if isinstance(v, _Tensor) or v.__hash__ is None:
+                    return None
+            return (self._device(), tuple(parts), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
+        return (self._device(), tuple(parts))
 
     def _tail(self, nargs: int, kwargs: dict):
         """The parameters after the positional ones, as Triton's binder fills them (keyword, else
