@@ -443,3 +443,64 @@ def test_gradients_are_views_of_ddp_buckets_and_clear_in_place(tmp_path):
             assert {p.grad.untyped_storage().data_ptr() for p in model.parameters()} == buckets
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend, world, registered", [
+    ("nccl", 1, True), ("nccl", 2, True), ("nccl", 4, True), ("nccl", 8, True),
+    ("nccl", 3, False), ("nccl", 6, False), ("gloo", 2, False)])
+def test_buckets_are_averaged_in_the_all_reduce_only_where_that_is_exact(backend, world, registered,
+                                                                         monkeypatch):
+    """distributed.average_in_all_reduce replaces DDP's division by N with a multiplication by 1/N inside
+    NCCL's all-reduce: exact, so the same bits, only where N is a power of two; elsewhere (and on gloo,
+    which has no pre-multiplied sum) DDP keeps its own division."""
+    import types
+
+    import torch.distributed as dist
+
+    from scaffold import distributed
+
+    hooks = []
+    group = types.SimpleNamespace(size=lambda: world)
+    ddp = types.SimpleNamespace(process_group=group, register_comm_hook=lambda s, h: hooks.append(h))
+    monkeypatch.setattr(dist, "get_backend", lambda g: backend)
+    monkeypatch.setattr(dist, "_make_nccl_premul_sum", lambda factor: ("premul", factor), raising=False)
+    assert distributed.average_in_all_reduce(ddp) is registered
+    assert len(hooks) == int(registered)
+
+
+@pytest.mark.gpu
+def test_ddp_gradients_averaged_in_nccls_all_reduce_are_ddps_bits(tmp_path):
+    """One rank over NCCL: worker.data_parallel registers the pre-multiplied all-reduce, and the
+    gradients (views of the buckets) are the bits of the same model's backward without DDP, twice."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import types
+
+    import torch.distributed as dist
+
+    from scaffold.worker import data_parallel
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv3d(2, 8, 3, padding=1), torch.nn.GroupNorm(2, 8),
+                                   torch.nn.Conv3d(8, 3, 1)).cuda()
+
+    x = torch.randn(1, 2, 8, 8, 8, device="cuda")
+    plain = net()
+    plain(x).square().sum().backward()
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        model = net()
+        ddp = data_parallel(model, types.SimpleNamespace(device=torch.device("cuda", torch.cuda.current_device()),
+                                                         cuda_graph=False))
+        assert len(getattr(ddp, "_comm_hooks", [])) == 1, "the averaging hook should be registered"
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = None if p.grad is None else p.grad.zero_()
+            ddp(x).square().sum().backward()
+            torch.cuda.synchronize()
+            for p, q in zip(model.parameters(), plain.parameters()):
+                assert torch.equal(p.grad, q.grad)
+    finally:
+        dist.destroy_process_group()
