@@ -170,28 +170,6 @@ class StopVote:
         return bool(value.item() > 0)
 
 
-def average_in_all_reduce(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
-    """Registers on `ddp` a communication hook that averages each gradient bucket inside NCCL's
-    all-reduce (a sum of the ranks' buckets each pre-multiplied by 1/N) instead of DDP's own way: one
-    division kernel per parameter, then a plain sum. With N a power of two the multiplication by 1/N
-    is exact, and so equal to the division: the same bits as DDP's default, with ~one launch per
-    parameter and a pass over the gradients fewer per step. Returns whether it registered (NCCL, N a
-    power of two, a torch with pre-multiplied sums); elsewhere DDP keeps its default."""
-    group = ddp.process_group
-    n = group.size()
-    make = getattr(dist, "_make_nccl_premul_sum", None)
-    if make is None or n & (n - 1) or dist.get_backend(group) != "nccl":
-        return False
-    op = make(1.0 / n)
-
-    def hook(_state, bucket):
-        work = dist.all_reduce(bucket.buffer(), op=op, group=group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-
-    ddp.register_comm_hook(None, hook)
-    return True
-
-
 def gather_rows(t: torch.Tensor, place: Place) -> torch.Tensor:
     """Every rank's `t` stacked along a new first dimension (rank order), on every rank."""
     if place.world <= 1:

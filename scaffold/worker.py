@@ -385,26 +385,20 @@ def _trainer(job: Job, loss_fn: Any, volumes: Volumes, stop: StopRequest) -> Non
 def data_parallel(model: torch.nn.Module, plan: RunPlan) -> torch.nn.parallel.DistributedDataParallel:
     """The DDP wrapper. Each parameter's `.grad` is a view of its gradient bucket
     (gradient_as_bucket_view): the all-reduced bucket is the gradient, with no copy back and no second
-    copy of the gradients kept (the same sums in the same order: the same bits). Over NCCL at a
-    power-of-two world size the buckets are averaged inside the all-reduce (distributed.
-    average_in_all_reduce: the same bits again, one pass over the gradients fewer). Where the step will be
+    copy of the gradients kept (the same sums in the same order: the same bits). Where the step will be
     captured it is built on a side stream, as torch's notes on CUDA graphs ask of a DDP whose backward
     is captured (its reducer keeps the stream it was built on); the stream we return to waits for it."""
     device = plan.device
     if not (plan.cuda_graph and device.type == "cuda"):
-        ddp = torch.nn.parallel.DistributedDataParallel(
+        return torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True)
-    else:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index],
-                                                            gradient_as_bucket_view=True)
-        torch.cuda.current_stream(device).wait_stream(side)
-    if distributed.average_in_all_reduce(ddp):
-        log.info("ddp: gradient buckets averaged inside NCCL's all-reduce (a sum pre-multiplied by 1/%d)",
-                 ddp.process_group.size())
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index],
+                                                        gradient_as_bucket_view=True)
+    torch.cuda.current_stream(device).wait_stream(side)
     return ddp
 
 
