@@ -326,3 +326,31 @@ def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, tmp_path):
     assert err <= 1e-4
     assert sharded[0] <= 2 * single[0] + 1e-7, (sharded, single)
     assert torch.equal(got["hard_dice"], hard_dice(logits, labels.cpu(), loss_fn.n_classes))
+
+
+@pytest.mark.parametrize("grid", [None, (2, 2)])
+def test_a_halo_conv_computes_only_its_blocks_output(grid, monkeypatch):
+    """HaloConv3d convolves the halo'd block with no padding along the split dims (D; and H where the
+    grid splits it), so the conv makes exactly the block's planes (no planes computed to be cut away).
+    With a halo of zeros (a block alone in its volume) the output is the padded convolution's."""
+    import torch.nn.functional as F
+
+    from scaffold.model.grid import Grid
+    from scaffold.model.ladder import FastConv3d
+    from scaffold.spatial import modules
+
+    g = None if grid is None else Grid(*grid)
+    rows = g is not None and g.ph > 1
+    monkeypatch.setattr(modules, "halo", lambda x, sg, grid: F.pad(x, (0, 0, int(rows), int(rows), 1, 1)))
+    torch.manual_seed(0)
+    conv = FastConv3d(3, 4, 3, padding=1)
+    conv.__class__, conv.shards, conv.grid = modules.HaloConv3d, None, g
+    calls = []
+    run = FastConv3d._run
+    monkeypatch.setattr(FastConv3d, "_run", lambda self, call, vendor: calls.append(call) or run(self, call, vendor))
+    x = torch.randn(1, 3, 4, 6, 5)
+    y = conv(x)
+    assert [(tuple(c.x.shape[2:]), tuple(c.padding)) for c in calls] == [
+        ((6, 8, 5), (0, 0, 1)) if rows else ((6, 6, 5), (0, 1, 1))]
+    assert y.shape == (1, 4, 4, 6, 5)
+    torch.testing.assert_close(y, F.conv3d(x, conv.weight, conv.bias, padding=1), rtol=1e-5, atol=1e-6)

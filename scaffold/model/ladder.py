@@ -154,6 +154,15 @@ class FastConv3d(LadderSite, nn.Conv3d):
         call = ConvCall(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
         return self._run(call, vendor)
 
+    def padded(self, x: torch.Tensor, padding: tuple) -> torch.Tensor:
+        """This site's convolution of x with zero padding `padding` instead of its own (the weights, the
+        rungs and the census as in `forward`): scaffold.spatial's halo'd blocks, padded only where the
+        volume is not split."""
+        weight, bias = working_weights(self, x)
+        call = ConvCall(x, weight, bias, self.stride, tuple(padding), self.dilation, self.groups)
+        return self._run(call, lambda: F.conv3d(x, weight, bias, self.stride, tuple(padding), self.dilation,
+                                                self.groups))
+
 
 class FastConvTranspose3d(LadderSite, nn.ConvTranspose3d):
     """nn.ConvTranspose3d on the ladder: same parameters, same state-dict keys."""

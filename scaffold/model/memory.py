@@ -247,7 +247,7 @@ class _Builder:
         backward keeps both; the weight's bf16 gradient is cast to the fp32 parameter's."""
         numel = taps * cin * cout
         wcopy = [_T(2 * numel, grad=False)] if self.cast else []  # its gradient is `grad_temp`
-        halo = taps == 27 and self.s.split(level)  # scaffold.spatial.HaloConv3d: D + 2 planes, then cut
+        halo = taps == 27 and self.s.split(level)  # scaffold.spatial.HaloConv3d: over the halo'd block
         if halo:
             per_voxel = x.nbytes // self.s.voxels(level)
             grid = self.s.grid(level)
@@ -263,15 +263,11 @@ class _Builder:
             x16 = self.act(cin, level, grad=False, halo=halo)
             self.op([x], [x16])
             x = x16
-        y = self.act(cout, level, halo=halo)
+        y = self.act(cout, level)  # a halo'd block's conv is unpadded where it is split: the block's output
         for w in wcopy:
             self.op([], [w])
         self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=self.g * (numel + (cout if bias else 0)),
                 grad_temp=2 * numel if self.cast else 0)
-        if halo:  # the slab's planes of the output, copied out
-            slab = self.act(cout, level)
-            self.op([y], [slab])
-            y = slab
         return y
 
     def conv_transpose(self, x: _T, cin: int, cout: int, level: int) -> _T:

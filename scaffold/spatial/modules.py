@@ -17,16 +17,18 @@ from scaffold.spatial.collectives import _fixed_order_sum, _gather, _layout, gat
 from scaffold.spatial.mesh import ShardGroup
 
 class HaloConv3d(FastConv3d):
-    """A 3×3×3 FastConv3d (padding 1) over a block: halo, the same convolution on D + 2 planes (and
-    H + 2 rows where H is split), the block's part of its output. Same parameters and state-dict keys."""
+    """A 3×3×3 FastConv3d (padding 1) over a block: the halo's D + 2 planes (and H + 2 rows where H is
+    split) convolved with no padding along the split dims, which gives exactly the block's output (the
+    halo's planes stand in for the padding: zeros at the volume's faces). Same parameters and
+    state-dict keys."""
 
     shards: ShardGroup
     grid: Optional[Grid] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(halo(x, self.shards, self.grid))
-        y = y[:, :, 1:-1, 1:-1] if self.grid is not None and self.grid.ph > 1 else y[:, :, 1:-1]
-        return y.contiguous(memory_format=_layout(y))
+        rows = self.grid is not None and self.grid.ph > 1
+        padding = (0, 0 if rows else self.padding[1], self.padding[2])
+        return self.padded(halo(x, self.shards, self.grid), padding)
 
 
 class _SlabGroupNorm(torch.autograd.Function):
