@@ -371,3 +371,19 @@ def test_wave_split_plan_fills_whole_waves(monkeypatch):
         assert s * per >= 16384 > (s - 1) * per  # every split has work
     assert splits.wave_split_plan(cpu, 1152, 8, 1024 * 1024 * 27, flops, 1) == (1, 8)
     assert splits.wave_split_plan(cpu, 288, 64, 512 * 512 * 27, flops, 1) == (1, 64)
+
+
+@pytest.mark.parametrize("padding", [(0, 1, 1), (0, 0, 1)], ids=["halo-D", "halo-DH"])
+@pytest.mark.parametrize("cin,cout,dtype", [(16, 8, torch.bfloat16), (4, 6, torch.float32), (3, 8, torch.float32)],
+                         ids=["box-bf16", "gather-fp32", "stem-fp32"])
+def test_halo_block_paddings_small_integers_bitwise(padding, cin, cout, dtype):
+    """The geometry of a halo'd block (scaffold.spatial.HaloConv3d): a 3x3x3 conv unpadded along D, or
+    along D and H, padded by one elsewhere; every direction equals the float64 reference exactly."""
+    gen = torch.Generator().manual_seed(3000 + cin * 31 + cout + sum(padding))
+    x, w, b, dy = make_conv(gen, 1, cin, cout, (5, 6, 4), 3, 1, padding, 1, True, integer=True)
+    geom = ((1,) * 3, padding, (1,) * 3)
+    refs = conv3d_ref(x, w, b, *geom, grad_out=dy)
+    xd, wd, dyd = cl_all(dtype, x, w, dy)
+    got = run_conv_directions(xd, wd, on_dev(b, dtype, False), dyd, geom, dtype)
+    for name, g, r in zip(("y", "dx", "dw", "db"), got, refs):
+        assert torch.equal(g.double().cpu(), r.to(dtype).double()), f"{name} differs from the float64 reference"
