@@ -146,22 +146,17 @@ class FastConv3d(LadderSite, nn.Conv3d):
         self.working: Optional[tuple] = None  # (weight, bias) working copies: attach_working_copies
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = working_weights(self, x)
-        vendor = lambda: self._conv_forward(x, weight, bias)  # noqa: E731
         if self.padding_mode != "zeros":
             self.rungs_ran.add(VENDOR)
-            return vendor()
-        call = ConvCall(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
-        return self._run(call, vendor)
+            return self._conv_forward(x, *working_weights(self, x))
+        return self.padded(x, self.padding)
 
-    def padded(self, x: torch.Tensor, padding: tuple) -> torch.Tensor:
-        """This site's convolution of x with zero padding `padding` instead of its own (the weights, the
-        rungs and the census as in `forward`): scaffold.spatial's halo'd blocks, padded only where the
-        volume is not split."""
+    def padded(self, x: torch.Tensor, padding) -> torch.Tensor:
+        """This site's convolution of x with zero padding `padding` (`forward`: its own; scaffold.spatial's
+        halo'd blocks: none along the split dims), on its rungs and in its census."""
         weight, bias = working_weights(self, x)
-        call = ConvCall(x, weight, bias, self.stride, tuple(padding), self.dilation, self.groups)
-        return self._run(call, lambda: F.conv3d(x, weight, bias, self.stride, tuple(padding), self.dilation,
-                                                self.groups))
+        call = ConvCall(x, weight, bias, self.stride, padding, self.dilation, self.groups)
+        return self._run(call, lambda: F.conv3d(x, weight, bias, self.stride, padding, self.dilation, self.groups))
 
 
 class FastConvTranspose3d(LadderSite, nn.ConvTranspose3d):
