@@ -81,6 +81,34 @@ def saved_bytes(model: torch.nn.Module):
 LAUNCH_TIMEOUT = 120  # seconds: a hang fails the test instead of stalling the suite
 
 
+def lines_until(stream, prefix: str, timeout: float) -> list[str]:
+    """The lines read from a child's text `stream` up to and including the first that starts with
+    `prefix` (all of them if the stream ends first), within `timeout` seconds: a child that stalls
+    before printing it fails the test instead of blocking the read forever."""
+    import queue
+    import threading
+
+    got: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in stream:
+            got.put(line)
+            if line.startswith(prefix):
+                break
+        got.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen = []
+    try:
+        while (line := got.get(timeout=timeout)) is not None:
+            seen.append(line)
+            if line.startswith(prefix):
+                break
+    except queue.Empty:
+        pytest.fail(f"no line starting {prefix!r} within {timeout} s; read so far:\n{''.join(seen)[-3000:]}")
+    return seen
+
+
 def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("-m", "scaffold.train"),
              timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
     exe = shutil.which("torchrun")

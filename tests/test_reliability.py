@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from faults import flip_byte, full_disk_site, read_only_site
-from helpers import REPO, TINY, cli, params, same_params, stable_rows, tiny_cfg
+from helpers import LAUNCH_TIMEOUT, REPO, TINY, cli, lines_until, params, same_params, stable_rows, tiny_cfg
 from scaffold import checkpoint, cli as scli, rundir, worker
 from scaffold.config import ConfigError
 from scaffold.stats import read_rows
@@ -399,13 +399,10 @@ def test_ctrl_c_during_dataset_generation_is_one_line_and_leaves_nothing(tmp_pat
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)  # its own process group
     try:
-        seen = []
-        for line in proc.stderr:  # the workers are rendering once the first quarter is done
-            seen.append(line)
-            if line.startswith("fractal volumes: "):
-                os.killpg(proc.pid, signal.SIGINT)
-                break
-        _, rest = proc.communicate(timeout=120)
+        seen = lines_until(proc.stderr, "fractal volumes: ", LAUNCH_TIMEOUT)  # the workers are rendering
+        if seen and seen[-1].startswith("fractal volumes: "):
+            os.killpg(proc.pid, signal.SIGINT)
+        _, rest = proc.communicate(timeout=LAUNCH_TIMEOUT)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
