@@ -328,29 +328,29 @@ def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, tmp_path):
     assert torch.equal(got["hard_dice"], hard_dice(logits, labels.cpu(), loss_fn.n_classes))
 
 
-@pytest.mark.parametrize("grid", [None, (2, 2)])
-def test_a_halo_conv_computes_only_its_blocks_output(grid, monkeypatch):
-    """HaloConv3d convolves the halo'd block with no padding along the split dims (D; and H where the
-    grid splits it), so the conv makes exactly the block's planes (no planes computed to be cut away).
-    With a halo of zeros (a block alone in its volume) the output is the padded convolution's."""
-    import torch.nn.functional as F
-
-    from scaffold.model.grid import Grid
-    from scaffold.model.ladder import FastConv3d
-    from scaffold.spatial import modules
-
-    g = None if grid is None else Grid(*grid)
-    rows = g is not None and g.ph > 1
-    monkeypatch.setattr(modules, "halo", lambda x, sg, grid: F.pad(x, (0, 0, int(rows), int(rows), 1, 1)))
-    torch.manual_seed(0)
-    conv = FastConv3d(3, 4, 3, padding=1)
-    conv.__class__, conv.shards, conv.grid = modules.HaloConv3d, None, g
-    calls = []
-    run = FastConv3d._run
-    monkeypatch.setattr(FastConv3d, "_run", lambda self, call, vendor: calls.append(call) or run(self, call, vendor))
-    x = torch.randn(1, 3, 4, 6, 5)
-    y = conv(x)
-    assert [(tuple(c.x.shape[2:]), tuple(c.padding)) for c in calls] == [
-        ((6, 8, 5), (0, 0, 1)) if rows else ((6, 6, 5), (0, 1, 1))]
-    assert y.shape == (1, 4, 4, 6, 5)
-    torch.testing.assert_close(y, F.conv3d(x, conv.weight, conv.bias, padding=1), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("ranks, edge, pd, ph, planes", [
+    (2, 8, 2, 1, 4),   # D slabs of 4 planes: each rank one neighbour
+    (4, 12, 4, 1, 3),  # 3 planes, the fewest the overlap takes: the middle ranks have two
+    (4, 8, 2, 2, 4),   # 2 x 2 blocks: the rows' halo first, then the planes' overlapped
+    (4, 8, 4, 1, 2),   # 2 planes: the halo first, then one conv (with or without `overlap`)
+])
+def test_a_halo_conv_overlapped_or_not_is_the_whole_volumes_conv(ranks, edge, pd, ph, planes, tmp_path):
+    """HaloConv3d over each rank's block (float64, gloo): output, input gradient and the weight and
+    bias gradients (summed over ranks) equal the one-process conv's to rounding, with the D halo's
+    exchange overlapping the interior's conv and without; the overlapped run twice gives the same
+    bits. Where it overlaps, the conv runs on the block's own planes (its interior output planes) and
+    on the 3 planes around each edge output plane, never on a halo'd copy of the block."""
+    out = tmp_path / "halo_conv.pt"
+    torchrun(ranks, [str(out), str(edge), str(pd), str(ph)], tmp_path,
+             entry=(str(REPO / "tests" / "spatial_halo_conv_worker.py"),))
+    got = torch.load(out)
+    overlapped, again, plain = got["runs"]
+    assert overlapped["planes"] == ([planes, 3, 3] if planes >= 3 else [planes + 2])
+    assert plain["planes"] == [planes + 2]
+    for run in (overlapped, plain):
+        for key in ("y", "dx", "dw", "db"):
+            ref = got[key]
+            err = (run[key] - ref).abs().max().item()
+            assert err <= 1e-12 * ref.abs().max().item(), (key, err)
+    for key in ("y", "dx", "dw", "db"):
+        assert torch.equal(overlapped[key], again[key]), key

@@ -126,19 +126,15 @@ class StepShape:
         """Whether `level`'s tensors are split over the shard group."""
         return self.grid(level) is not None
 
-    def voxels(self, level: int, whole: bool = False, halo: bool = False) -> int:
-        """Voxels per device of a tensor at `level`: its block where the level is split (with the halo
-        planes, and rows where H is split, when `halo`), the whole volume where it is not or when
-        `whole`."""
+    def voxels(self, level: int, whole: bool = False) -> int:
+        """Voxels per device of a tensor at `level`: its block where the level is split, the whole
+        volume where it is not or when `whole`."""
         edge = 2 ** (self.scale - level)
         grid = self.grid(level)
         if whole or grid is None:
             return self.batch * edge**3
         pd, ph = grid
-        planes, rows = edge // pd, edge // ph
-        if halo:
-            planes, rows = planes + 2, rows + (2 if ph > 1 else 0)
-        return self.batch * planes * rows * edge
+        return self.batch * (edge // pd) * (edge // ph) * edge
 
 
 # --- parameters ------------------------------------------------------------------------------------
@@ -237,37 +233,59 @@ class _Builder:
         self.ops.append(_Op(tuple(ins), tuple(outs), segment=self.segment, unit=self.unit, **kw))
 
     def act(self, channels: int, level: int, nbytes: Optional[int] = None, grad: bool = True,
-            whole: bool = False, halo: bool = False) -> _T:
+            whole: bool = False) -> _T:
         size = self.a if nbytes is None else nbytes
-        return _T(channels * self.s.voxels(level, whole, halo) * size, grad)
+        return _T(channels * self.s.voxels(level, whole) * size, grad)
 
     def conv(self, x: _T, cin: int, cout: int, level: int, taps: int = 27, bias: bool = False,
              cast_input: bool = False) -> _T:
         """A conv: under autocast its input (when not yet bf16) and weight are cast to bf16, and the
         backward keeps both; the weight's bf16 gradient is cast to the fp32 parameter's."""
-        numel = taps * cin * cout
-        wcopy = [_T(2 * numel, grad=False)] if self.cast else []  # its gradient is `grad_temp`
+        numel = taps * cin * cout  # under autocast a bf16 copy of the weight, whose gradient is `grad_temp`
         halo = taps == 27 and self.s.split(level)  # scaffold.spatial.HaloConv3d: over the halo'd block
+        parts = [(x, None)]  # (input, output planes; None: the block's)
         if halo:
-            per_voxel = x.nbytes // self.s.voxels(level)
-            grid = self.s.grid(level)
-            if grid is not None and grid[1] > 1:  # the planes first, then the rows of the planes so extended
-                edge = 2 ** (self.s.scale - level)
-                xd = _T(per_voxel * self.s.batch * (edge // grid[0] + 2) * (edge // grid[1]) * edge, x.grad)
-                self.op([x], [xd])
-                x = xd
-            xe = _T(per_voxel * self.s.voxels(level, halo=True), x.grad)
-            self.op([x], [xe])
-            x = xe
-        if cast_input:  # the stem's fp32 input: autocast makes a bf16 copy, which the conv keeps
-            x16 = self.act(cin, level, grad=False, halo=halo)
-            self.op([x], [x16])
-            x = x16
-        y = self.act(cout, level)  # a halo'd block's conv is unpadded where it is split: the block's output
-        for w in wcopy:
-            self.op([], [w])
-        self.op([x, *wcopy], [y], saved=(x, *wcopy), param_grad=self.g * (numel + (cout if bias else 0)),
-                grad_temp=2 * numel if self.cast else 0)
+            pd, ph = self.s.grid(level)
+            edge = 2 ** (self.s.scale - level)
+            planes = edge // pd
+            plane = x.nbytes // planes // (edge // ph) * (edge // ph + (2 if ph > 1 else 0))
+            if ph > 1:  # the rows' halo first
+                xr = _T(plane * planes, x.grad)
+                self.op([x], [xr])
+                x = xr
+            if planes >= 3:  # the D halo overlapped: the interior from the block, each edge plane from 3
+                lo, hi = _T(3 * plane, x.grad), _T(3 * plane, x.grad)
+                self.op([x], [lo, hi])
+                parts = [(x, planes - 2), (lo, 1), (hi, 1)]
+            else:
+                xe = _T(plane * (planes + 2), x.grad)
+                self.op([x], [xe])
+                parts = [(xe, None)]
+        outs = []
+        for i, (xi, out_planes) in enumerate(parts):
+            if cast_input:  # the stem's fp32 input: autocast makes a bf16 copy, which the conv keeps
+                x16 = _T(xi.nbytes // 4 * self.a, grad=False)
+                self.op([xi], [x16])
+                xi = x16
+            y = self.act(cout, level)  # a halo'd block's conv is unpadded where it is split
+            if out_planes is not None:
+                y = _T(y.nbytes // planes * out_planes, y.grad)
+            # The weight's cast under autocast: one for the parts (ATen's convs share autocast's cached
+            # copy; our rungs cast per call, two weight copies more that this leaves out: weights are
+            # small next to a block's planes, and working copies, the default on CUDA, need no cast).
+            if i == 0:
+                wcopy = [_T(2 * numel, grad=False)] if self.cast else []
+                for w in wcopy:
+                    self.op([], [w])
+            # The first part's weight gradient is the parameter's; a later part's is added to it and dropped.
+            grads = self.g * (numel + (cout if bias else 0))
+            self.op([xi, *wcopy], [y], saved=(xi, *wcopy), param_grad=grads if i == 0 else 0,
+                    grad_temp=(2 * numel if self.cast and i == 0 else 0) + (grads if i else 0))
+            outs.append(y)
+        if len(outs) == 1:
+            return outs[0]
+        y = self.act(cout, level)  # the parts joined
+        self.op(outs, [y])
         return y
 
     def conv_transpose(self, x: _T, cin: int, cout: int, level: int) -> _T:

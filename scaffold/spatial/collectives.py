@@ -3,7 +3,7 @@ fixed-order sums over a shard group, the gather of a level's blocks and their re
 splits. Every backward is the exact adjoint of its forward, summed in the same fixed order."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,21 +19,33 @@ def _gather(t: torch.Tensor, sg: ShardGroup) -> list[torch.Tensor]:
     return [p.to(t.device) for p in parts] if sg.stage else parts
 
 
-def _p2p(ops: list[tuple[bool, torch.Tensor, int]], sg: ShardGroup) -> None:
-    """Sends (True) and receives (False) of (send?, tensor, global peer rank), as one batch, in the
-    order given. Where the group cannot move device tensors (`sg.stage`: gloo with CUDA tensors, as
-    when two ranks share one GPU), through host copies; the received ones are copied back."""
+def _post(ops: list[tuple[bool, torch.Tensor, int]], sg: ShardGroup) -> Callable[[], None]:
+    """Posts sends (True) and receives (False) of (send?, tensor, global peer rank), as one batch, in
+    the order given, and returns the call that waits for them: the receive buffers hold their data once
+    it returns (on CUDA: for work queued after it). Where the group cannot move device tensors
+    (`sg.stage`: gloo with CUDA tensors, as when two ranks share one GPU), through host copies, which
+    the returned call copies back."""
     if not ops:
-        return
+        return lambda: None
     moved = [(send, (t.cpu() if send else torch.empty(t.shape, dtype=t.dtype)) if sg.stage else t, peer)
              for send, t, peer in ops]
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer, sg.group)
-                                        for send, t, peer in moved]):
-        work.wait()
-    if sg.stage:
-        for (send, t, _), (_, host, _) in zip(ops, moved):
-            if not send:
-                t.copy_(host)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer, sg.group)
+                                    for send, t, peer in moved])
+
+    def finish() -> None:
+        for work in works:
+            work.wait()
+        if sg.stage:
+            for (send, t, _), (_, host, _) in zip(ops, moved):
+                if not send:
+                    t.copy_(host)
+
+    return finish
+
+
+def _p2p(ops: list[tuple[bool, torch.Tensor, int]], sg: ShardGroup) -> None:
+    """`_post`, waited for."""
+    _post(ops, sg)()
 
 
 def _fixed_order_sum(t: torch.Tensor, sg: ShardGroup) -> torch.Tensor:
@@ -76,10 +88,10 @@ def _neighbours(sg: ShardGroup, grid: Optional[Grid], dim: int) -> tuple[Optiona
 
 
 def _exchange(first: torch.Tensor, last: torch.Tensor, sg: ShardGroup, prev: Optional[int],
-              next_: Optional[int]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Sends `first` to the previous rank and `last` to the next (global ranks of the group; None at
-    the volume's faces); returns (what the previous rank sent as its `last`, what the next rank sent as
-    its `first`), None at the faces."""
+              next_: Optional[int]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Callable[[], None]]:
+    """Posts `first` to the previous rank and `last` to the next (global ranks of the group; None at
+    the volume's faces); returns (what the previous rank sends as its `last`, what the next rank sends
+    as its `first`; None at the faces) and the call that waits for them."""
     ops, from_prev, from_next = [], None, None
     if prev is not None:
         from_prev = torch.empty_like(last)
@@ -87,8 +99,7 @@ def _exchange(first: torch.Tensor, last: torch.Tensor, sg: ShardGroup, prev: Opt
     if next_ is not None:
         from_next = torch.empty_like(first)
         ops += [(True, last, next_), (False, from_next, next_)]
-    _p2p(ops, sg)
-    return from_prev, from_next
+    return from_prev, from_next, _post(ops, sg)
 
 
 def _layout(x: torch.Tensor) -> torch.memory_format:
@@ -104,8 +115,9 @@ class _Halo(torch.autograd.Function):
         prev, next_ = _neighbours(sg, grid, dim)
         ctx.sg, ctx.neighbours, ctx.dim = sg, (prev, next_), dim
         size = x.shape[dim]
-        lo, hi = _exchange(x.narrow(dim, 0, 1).contiguous(), x.narrow(dim, size - 1, 1).contiguous(), sg,
-                           prev, next_)
+        lo, hi, wait = _exchange(x.narrow(dim, 0, 1).contiguous(), x.narrow(dim, size - 1, 1).contiguous(), sg,
+                                 prev, next_)
+        wait()
         shape = list(x.shape)
         shape[dim] = size + 2
         out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
@@ -122,7 +134,8 @@ class _Halo(torch.autograd.Function):
         dim, (prev, next_) = ctx.dim, ctx.neighbours
         size = grad.shape[dim] - 2
         to_prev, to_next = grad.narrow(dim, 0, 1).contiguous(), grad.narrow(dim, size + 1, 1).contiguous()
-        from_prev, from_next = _exchange(to_prev, to_next, ctx.sg, prev, next_)
+        from_prev, from_next, wait = _exchange(to_prev, to_next, ctx.sg, prev, next_)
+        wait()
         gx = grad.narrow(dim, 1, size).clone(memory_format=_layout(grad))
         if from_prev is not None:  # the previous rank's upper halo is my first plane (row)
             gx.narrow(dim, 0, 1).add_(from_prev)
@@ -133,12 +146,100 @@ class _Halo(torch.autograd.Function):
 
 def halo(x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid] = None) -> torch.Tensor:
     """(N, C, d, h, W) block -> (N, C, d + 2, h, W), and (…, h + 2, W) too where `grid` splits H: the
-    neighbours' adjacent planes (then rows, of the planes so extended, which brings the corners) around
-    it, zeros at the volume's faces; differentiable. `grid` None: D slabs over the whole group."""
-    x = _Halo.apply(x, sg, grid, 2)
+    neighbours' adjacent rows, then planes (of the blocks so extended, which brings the corners)
+    around it, zeros at the volume's faces; differentiable. `grid` None: D slabs over the whole group."""
     if grid is not None and grid.ph > 1:
         x = _Halo.apply(x, sg, grid, 3)
-    return x
+    return _Halo.apply(x, sg, grid, 2)
+
+
+class _PlaneLink:
+    """What `_OpenPlanes` and `_ClosePlanes` pass between them: the waits of the exchanges in flight
+    and where their planes land (forward: the neighbours' planes; backward: the gradients of mine that
+    they computed)."""
+
+    def __init__(self, sg: ShardGroup, grid: Optional[Grid]):
+        self.sg, self.neighbours = sg, _neighbours(sg, grid, 2)
+        self.got: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
+        self.wait: Callable[[], None] = lambda: None
+
+    def post(self, first: torch.Tensor, last: torch.Tensor) -> None:
+        *self.got, self.wait = _exchange(first.contiguous(), last.contiguous(), self.sg, *self.neighbours)
+
+
+class _OpenPlanes(torch.autograd.Function):
+    """The first half of a D halo whose exchange overlaps work on the block's interior: posts the
+    block's first and last planes to its neighbours and returns (the block, as a view; the three
+    planes around its first output plane and around its last, their outer plane still to come, which
+    `_ClosePlanes` fills). The backward waits for the gradients `_ClosePlanes`' backward posted and
+    adds them, with the edge planes' own, to the block's gradient (fixed order)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, link: _PlaneLink):
+        d = x.shape[2]
+        ctx.link, ctx.d = link, d
+        link.post(x.narrow(2, 0, 1), x.narrow(2, d - 1, 1))
+        shape = (*x.shape[:2], 3, *x.shape[3:])
+        lo = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
+        hi = torch.empty_like(lo)
+        lo.narrow(2, 1, 2).copy_(x.narrow(2, 0, 2))
+        hi.narrow(2, 0, 2).copy_(x.narrow(2, d - 2, 2))
+        return x.view_as(x), lo, hi
+
+    @staticmethod
+    def backward(ctx, gx, glo, ghi):
+        link, d = ctx.link, ctx.d
+        link.wait()
+        from_prev, from_next = link.got
+        if gx is None:  # the interior used none of the block
+            gx = torch.zeros(glo.shape[:2] + (d,) + glo.shape[3:], dtype=glo.dtype, device=glo.device,
+                             memory_format=_layout(glo))
+        elif gx._base is not None:  # a view: added to in place below, so a copy of its own
+            gx = gx.clone()
+        gx.narrow(2, 0, 2).add_(glo.narrow(2, 1, 2))
+        gx.narrow(2, d - 2, 2).add_(ghi.narrow(2, 0, 2))
+        if from_prev is not None:  # the previous rank's upper plane is my first
+            gx.narrow(2, 0, 1).add_(from_prev)
+        if from_next is not None:
+            gx.narrow(2, d - 1, 1).add_(from_next)
+        return gx, None
+
+
+class _ClosePlanes(torch.autograd.Function):
+    """The second half: waits for the neighbours' planes and puts them (zeros at the volume's faces)
+    as the outer planes of `_OpenPlanes`' edge planes, in place. The backward posts the gradients of
+    those outer planes back to the neighbours they came from and passes the edge planes' on."""
+
+    @staticmethod
+    def forward(ctx, lo: torch.Tensor, hi: torch.Tensor, link: _PlaneLink):
+        ctx.link = link
+        link.wait()
+        for plane, got in ((lo.narrow(2, 0, 1), link.got[0]), (hi.narrow(2, 2, 1), link.got[1])):
+            if got is None:
+                plane.zero_()
+            else:
+                plane.copy_(got)
+        ctx.mark_dirty(lo, hi)
+        return lo, hi
+
+    @staticmethod
+    def backward(ctx, glo, ghi):
+        ctx.link.post(glo.narrow(2, 0, 1), ghi.narrow(2, 2, 1))
+        return glo, ghi, None
+
+
+def halo_planes_overlapped(x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid],
+                           interior: Callable[[torch.Tensor], torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The D halo of a block of at least 2 planes, exchanged while `interior(x)` runs: returns
+    (interior(x), the three planes around the block's first output plane, the three around its last),
+    the outer planes the neighbours' (zeros at the volume's faces); differentiable, and in the
+    backward the gradients' exchange overlaps the interior's backward the same way."""
+    link = _PlaneLink(sg, grid)
+    body, lo, hi = _OpenPlanes.apply(x, link)
+    inner = interior(body)  # computed while the planes are in flight
+    lo, hi = _ClosePlanes.apply(lo, hi, link)
+    return inner, lo, hi
 
 
 def _ring_sum_slab(t: torch.Tensor, sg: ShardGroup, grid: Optional[Grid] = None) -> torch.Tensor:

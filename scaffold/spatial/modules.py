@@ -13,22 +13,34 @@ from scaffold.model.grid import Grid, level_grids
 from scaffold.model import policy
 from scaffold.model.ladder import VENDOR, FastConv3d, FastGroupNorm, LadderWarning
 from scaffold.model.policy import GroupNormCall
-from scaffold.spatial.collectives import _fixed_order_sum, _gather, _layout, gather_depth, halo, redistribute
+from scaffold.spatial.collectives import (_Halo, _fixed_order_sum, _gather, _layout, gather_depth,
+                                          halo_planes_overlapped, redistribute)
 from scaffold.spatial.mesh import ShardGroup
 
 class HaloConv3d(FastConv3d):
-    """A 3×3×3 FastConv3d (padding 1) over a block: the halo's D + 2 planes (and H + 2 rows where H is
-    split) convolved with no padding along the split dims, which gives exactly the block's output (the
-    halo's planes stand in for the padding: zeros at the volume's faces). Same parameters and
-    state-dict keys."""
+    """A 3×3×3 FastConv3d (padding 1) over a block, unpadded along the split dims, which gives exactly
+    the block's output (the neighbours' planes and rows stand in for the padding: zeros at the
+    volume's faces). Where H is split, the rows' halo first. Then, on blocks of at least 3 planes
+    (`overlap`), the D halo is in flight while the block's interior output planes are computed from the
+    block itself; its first and last output planes follow, each from the 3 planes around it, and the
+    three parts are joined (one copy of the output; the backward overlaps the same way and copies
+    nothing whole: no halo'd copy of the block is made either way). Thinner blocks (or `overlap` False): the D halo first, then one conv over
+    the halo'd block. Same parameters and state-dict keys."""
 
     shards: ShardGroup
     grid: Optional[Grid] = None
+    overlap = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.grid is not None and self.grid.ph > 1
+        if rows:
+            x = _Halo.apply(x, self.shards, self.grid, 3)
         padding = (0, 0 if rows else self.padding[1], self.padding[2])
-        return self.padded(halo(x, self.shards, self.grid), padding)
+        if not self.overlap or x.shape[2] < 3:
+            return self.padded(_Halo.apply(x, self.shards, self.grid, 2), padding)
+        inner, lo, hi = halo_planes_overlapped(x, self.shards, self.grid, lambda b: self.padded(b, padding))
+        y = torch.cat([self.padded(lo, padding), inner, self.padded(hi, padding)], 2)
+        return y.contiguous(memory_format=_layout(inner))
 
 
 class _SlabGroupNorm(torch.autograd.Function):
