@@ -3,7 +3,7 @@
 # under its own time limit, in priority order. Logs and JSON go to $RESULTS (default bench_results/gpu),
 # packed into $ARCHIVE_DIR/results.tgz when ARCHIVE_DIR is set (to carry them off a remote machine).
 #   scripts/gpu_validate.sh [stage ...]     stages: tests norm normsweep train minibatch
-#   breakdown loss losssweep probe conv
+#   breakdown loss losssweep probe conv scaling (scaling: a multi-GPU host; RANKS=2,4 by default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -24,7 +24,7 @@ run() {  # run NAME LIMIT_S CMD...: a stage with a limit, its log, one summary l
   git log -1 --format='commit %h %s' 2>/dev/null; } | tee "$summary"
 for s in $stages; do
   case $s in
-    tests) run tests "${LIMIT_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} tests ;;
+    tests) run tests "${LIMIT_TESTS:-480}" python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} tests ;;
     normsweep) run normsweep "${LIMIT_NORMSWEEP:-330}" python3 -m scaffold.bench.tune_norm --scales 7 \
                  --out "$RESULTS/norm_tiles.json" ;;
     breakdown) run breakdown "${LIMIT_BREAKDOWN:-200}" python3 -m scaffold.bench.minibatch --scale 7 \
@@ -39,11 +39,14 @@ for s in $stages; do
     loss) run loss 90 python3 -m scaffold.bench.loss --out "$RESULTS/loss.json" ;;
     probe) run probe 120 python3 -m scaffold.bench.determinism --scale 7 --out "$RESULTS/determinism.json" ;;
     losssweep) run losssweep 90 python3 -m scaffold.bench.tune_loss --out "$RESULTS/loss_plans.json" ;;
+    scaling) run scaling "${LIMIT_SCALING:-600}" python3 -m scaffold.bench.scaling --ranks "${RANKS:-2,4}" \
+               --scale "${SCALE:-7}" --epochs 2 --reps 2 --workdir "$RESULTS/scaling_runs" \
+               --out "$RESULTS/scaling.json" ;;
     conv) run conv "${LIMIT_CONV:-300}" python3 -m scaffold.bench.conv --scale 7 --out "$RESULTS/conv.json" ;;
   esac
 done
 if [ -n "${ARCHIVE_DIR:-}" ]; then
-  rm -rf "$RESULTS/train_run/checkpoints"
+  rm -rf "$RESULTS/train_run/checkpoints" "$RESULTS"/scaling_runs/*/checkpoints
   tar czf "$ARCHIVE_DIR/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
   cp "$summary" "$ARCHIVE_DIR/summary.txt"
 fi

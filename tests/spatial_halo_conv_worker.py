@@ -1,6 +1,7 @@
 """Run under torchrun (gloo) by tests/test_spatial.py: one forward and backward of a 3×3×3 conv
 (HaloConv3d, float64) over each rank's block of a cubic volume, with its D halo overlapped and not,
-the overlapped one twice; rank 0 saves the whole output, input gradient, weight and bias gradients of
+the overlapped one twice and once more through host buffers (`ShardGroup.stage`, as for CUDA tensors
+over gloo); rank 0 saves the whole output, input gradient, weight and bias gradients of
 each (blocks joined, parameter gradients summed in rank order), the one-process conv's, and the
 planes each run's convolutions were given."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 def main(out_path: str, edge: int, pd: int, ph: int) -> None:
     from scaffold.model.grid import Grid
     from scaffold.model.ladder import FastConv3d
-    from scaffold.spatial import HaloConv3d, all_sum, make_mesh
+    from scaffold.spatial import HaloConv3d, ShardGroup, all_sum, make_mesh
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -38,9 +39,10 @@ def main(out_path: str, edge: int, pd: int, ph: int) -> None:
         return whole
 
     runs = []
-    for overlap in (True, True, False):
+    staged = ShardGroup(sg.group, sg.ranks, sg.index, stage=True)
+    for overlap, group in ((True, sg), (True, sg), (False, sg), (True, staged)):
         site = copy.deepcopy(conv)
-        site.__class__, site.shards, site.grid, site.overlap = HaloConv3d, sg, grid, overlap
+        site.__class__, site.shards, site.grid, site.overlap = HaloConv3d, group, grid, overlap
         planes = []
         padded = site.padded
         site.padded = lambda t, p: planes.append(t.shape[2]) or padded(t, p)

@@ -337,14 +337,14 @@ def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, tmp_path):
 def test_a_halo_conv_overlapped_or_not_is_the_whole_volumes_conv(ranks, edge, pd, ph, planes, tmp_path):
     """HaloConv3d over each rank's block (float64, gloo): output, input gradient and the weight and
     bias gradients (summed over ranks) equal the one-process conv's to rounding, with the D halo's
-    exchange overlapping the interior's conv and without; the overlapped run twice gives the same
-    bits. Where it overlaps, the conv runs on the block's own planes (its interior output planes) and
+    exchange overlapping the interior's conv and without; the overlapped run twice, and through host
+    buffers (as ranks sharing a GPU exchange), gives the same bits. Where it overlaps, the conv runs on the block's own planes (its interior output planes) and
     on the 3 planes around each edge output plane, never on a halo'd copy of the block."""
     out = tmp_path / "halo_conv.pt"
     torchrun(ranks, [str(out), str(edge), str(pd), str(ph)], tmp_path,
              entry=(str(REPO / "tests" / "spatial_halo_conv_worker.py"),))
     got = torch.load(out)
-    overlapped, again, plain = got["runs"]
+    overlapped, again, plain, staged = got["runs"]
     assert overlapped["planes"] == ([planes, 3, 3] if planes >= 3 else [planes + 2])
     assert plain["planes"] == [planes + 2]
     for run in (overlapped, plain):
@@ -354,3 +354,4 @@ def test_a_halo_conv_overlapped_or_not_is_the_whole_volumes_conv(ranks, edge, pd
             assert err <= 1e-12 * ref.abs().max().item(), (key, err)
     for key in ("y", "dx", "dw", "db"):
         assert torch.equal(overlapped[key], again[key]), key
+        assert torch.equal(overlapped[key], staged[key]), key  # through host buffers: the same exchange

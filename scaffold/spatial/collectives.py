@@ -164,7 +164,9 @@ class _PlaneLink:
         self.wait: Callable[[], None] = lambda: None
 
     def post(self, first: torch.Tensor, last: torch.Tensor) -> None:
-        *self.got, self.wait = _exchange(first.contiguous(), last.contiguous(), self.sg, *self.neighbours)
+        from_prev, from_next, self.wait = _exchange(first.contiguous(), last.contiguous(), self.sg,
+                                                    *self.neighbours)
+        self.got = (from_prev, from_next)
 
 
 class _OpenPlanes(torch.autograd.Function):
@@ -191,10 +193,7 @@ class _OpenPlanes(torch.autograd.Function):
         link, d = ctx.link, ctx.d
         link.wait()
         from_prev, from_next = link.got
-        if gx is None:  # the interior used none of the block
-            gx = torch.zeros(glo.shape[:2] + (d,) + glo.shape[3:], dtype=glo.dtype, device=glo.device,
-                             memory_format=_layout(glo))
-        elif gx._base is not None:  # a view: added to in place below, so a copy of its own
+        if gx._base is not None:  # a view: added to in place below, so a copy of its own
             gx = gx.clone()
         gx.narrow(2, 0, 2).add_(glo.narrow(2, 1, 2))
         gx.narrow(2, d - 2, 2).add_(ghi.narrow(2, 0, 2))
