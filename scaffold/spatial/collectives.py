@@ -144,13 +144,17 @@ class _Halo(torch.autograd.Function):
         return gx, None, None, None
 
 
+def halo_rows(x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid] = None) -> torch.Tensor:
+    """(N, C, d, h, W) block -> (N, C, d, h + 2, W) where `grid` splits H (the neighbours' adjacent
+    rows, zeros at the volume's faces), else x; differentiable."""
+    return _Halo.apply(x, sg, grid, 3) if grid is not None and grid.ph > 1 else x
+
+
 def halo(x: torch.Tensor, sg: ShardGroup, grid: Optional[Grid] = None) -> torch.Tensor:
     """(N, C, d, h, W) block -> (N, C, d + 2, h, W), and (…, h + 2, W) too where `grid` splits H: the
     neighbours' adjacent rows, then planes (of the blocks so extended, which brings the corners)
     around it, zeros at the volume's faces; differentiable. `grid` None: D slabs over the whole group."""
-    if grid is not None and grid.ph > 1:
-        x = _Halo.apply(x, sg, grid, 3)
-    return _Halo.apply(x, sg, grid, 2)
+    return _Halo.apply(halo_rows(x, sg, grid), sg, grid, 2)
 
 
 class _PlaneLink:

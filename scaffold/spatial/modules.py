@@ -13,7 +13,7 @@ from scaffold.model.grid import Grid, level_grids
 from scaffold.model import policy
 from scaffold.model.ladder import VENDOR, FastConv3d, FastGroupNorm, LadderWarning
 from scaffold.model.policy import GroupNormCall
-from scaffold.spatial.collectives import (_Halo, _fixed_order_sum, _gather, _layout, gather_depth,
+from scaffold.spatial.collectives import (_fixed_order_sum, _gather, _layout, gather_depth, halo, halo_rows,
                                           halo_planes_overlapped, redistribute)
 from scaffold.spatial.mesh import ShardGroup
 
@@ -21,11 +21,11 @@ class HaloConv3d(FastConv3d):
     """A 3×3×3 FastConv3d (padding 1) over a block, unpadded along the split dims, which gives exactly
     the block's output (the neighbours' planes and rows stand in for the padding: zeros at the
     volume's faces). Where H is split, the rows' halo first. Then, on blocks of at least 3 planes
-    (`overlap`), the D halo is in flight while the block's interior output planes are computed from the
-    block itself; its first and last output planes follow, each from the 3 planes around it, and the
-    three parts are joined (one copy of the output; the backward overlaps the same way and copies
-    nothing whole: no halo'd copy of the block is made either way). Thinner blocks (or `overlap` False): the D halo first, then one conv over
-    the halo'd block. Same parameters and state-dict keys."""
+    (`overlap`), the D halo is in flight while the block's interior output planes are computed from
+    the block itself; its first and last output planes follow, each from the 3 planes around it, and
+    the three parts are joined (one copy of the output). The backward overlaps the same way, and no
+    halo'd copy of the block is made in either direction. Thinner blocks (or `overlap` False): the D
+    halo first, then one conv over the halo'd block. Same parameters and state-dict keys."""
 
     shards: ShardGroup
     grid: Optional[Grid] = None
@@ -33,11 +33,10 @@ class HaloConv3d(FastConv3d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.grid is not None and self.grid.ph > 1
-        if rows:
-            x = _Halo.apply(x, self.shards, self.grid, 3)
         padding = (0, 0 if rows else self.padding[1], self.padding[2])
         if not self.overlap or x.shape[2] < 3:
-            return self.padded(_Halo.apply(x, self.shards, self.grid, 2), padding)
+            return self.padded(halo(x, self.shards, self.grid), padding)
+        x = halo_rows(x, self.shards, self.grid)
         inner, lo, hi = halo_planes_overlapped(x, self.shards, self.grid, lambda b: self.padded(b, padding))
         y = torch.cat([self.padded(lo, padding), inner, self.padded(hi, padding)], 2)
         return y.contiguous(memory_format=_layout(inner))
