@@ -3,19 +3,17 @@ tensor of checkpoints/last.pt (model, optimizer state, the RNG states). `scripts
 `scaffold.bench.scaling` report with it."""
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from scaffold.stats import WALL_CLOCK
+from scaffold.stats import WALL_CLOCK, read_rows
 
 
 def rows(run: Path) -> list[dict[str, str]]:
     """train_stats.csv's rows without the wall-clock columns."""
-    with open(run / "train_stats.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in csv.DictReader(f)]
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in read_rows(run / "train_stats.csv")]
 
 
 def tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ set otherwise.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shutil
 import statistics
@@ -29,6 +28,7 @@ from typing import Optional
 
 from scaffold.bench import write_json
 from scaffold.bench.runs import compare
+from scaffold.stats import read_rows
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ONE = 0  # the rank count that stands for one process without torchrun
@@ -57,8 +57,7 @@ def command(ranks: int, overrides: list[str]) -> list[str]:
 
 
 def last_step_ms(run: Path) -> Optional[float]:
-    with open(run / "train_stats.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(run / "train_stats.csv")
     return float(rows[-1]["step_ms_median"]) if rows else None
 
 
