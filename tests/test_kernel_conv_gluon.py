@@ -1,10 +1,11 @@
-"""The Gluon 3×3×3 conv (scaffold.kernels.conv.gluon): imports and declines cleanly where it cannot run;
-on an sm_90 GPU, forward and backward-data against cuDNN in fp32 on the same bf16 operands, every
+"""The Gluon 3×3×3 conv (scaffold.kernels.conv.gluon, .gluon_wgrad): imports and declines cleanly where it
+cannot run; on an sm_90 GPU, its three directions against cuDNN in fp32 on the same bf16 operands, every
 output element written (NaN-poisoned output), bitwise equal across calls, for each kind of tile."""
 import pytest
 import torch
 
 from scaffold.kernels.conv import gluon as G
+from scaffold.kernels.conv import gluon_wgrad as GW
 
 
 def test_declines_cleanly_where_it_cannot_run():
@@ -14,6 +15,7 @@ def test_declines_cleanly_where_it_cannot_run():
         assert not G.available()
         assert G.unavailable_reason()  # says why, in words
     assert not G.supported(x, w)  # CPU tensors never go to the Gluon kernel
+    assert not GW.supported(x, x, w.shape)
 
 
 def test_tile_rules():
@@ -57,6 +59,59 @@ TILES = [
 SHAPES = [(2, 64, 64, (5, 6, 7)), (1, 128, 64, (9, 12, 10)), (1, 64, 128, (20, 24, 40))]
 
 
+def test_wgrad_tile_rules_and_its_chunks_cover_every_box_once():
+    # alternate boxes: a warpgroup frees a stage two boxes later (two stages deadlock), and an odd
+    # ring makes it wait on a stage two phases ahead
+    for stages in (2, 3, 5):
+        with pytest.raises(ValueError, match="even ring"):
+            GW.WgradTile(stages=stages)
+    GW.WgradTile(stages=2, split_planes=True)  # each warpgroup reads every box: any ring
+    with pytest.raises(ValueError, match="even bd"):
+        GW.WgradTile(3, 4, 8, split_planes=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        GW.WgradTile(4, 2, 4)
+    t = GW.WgradTile(4, 4, 8, stages=4)  # x: 6 planes of 32 voxels x 64 channels, dy: 4 planes
+    assert t.smem_bytes() == 4 * 32 * (6 * 64 + 4 * 64) * 2 and t.per_sm == 1
+    assert GW.WgradTile(8, 4, 4, stages=3, split_planes=True).per_sm == 2
+    for shape, cout in [((1, 128, 128, 128, 64), 64), ((2, 5, 6, 7, 128), 64), ((1, 8, 8, 8, 1024), 1024)]:
+        for tile in (t, GW.WgradTile(8, 4, 4, stages=3, split_planes=True)):
+            programs, s, per, boxes = GW.plan(shape, cout, tile, 132)
+            n, d, h, w, cin = shape
+            assert boxes == n * -(-d // tile.bd) * -(-h // tile.bh) * -(-w // tile.bw)
+            assert programs == 9 * (cin // 64) * (cout // 64) * s
+            assert (s - 1) * per < boxes <= s * per  # every box in one chunk, no chunk empty
+
+
+WGRAD_TILES = [GW.WgradTile(4, 4, 8, stages=4), GW.WgradTile(2, 8, 8, stages=4),
+               GW.WgradTile(4, 4, 8, stages=4, split_planes=True),
+               GW.WgradTile(4, 4, 8, stages=3, split_planes=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", WGRAD_TILES,
+                         ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}:{t.stages}{':s' if t.split_planes else ''}")
+@pytest.mark.parametrize("shape", SHAPES + [(1, 64, 64, (33, 40, 48))],
+                         ids=lambda s: "x".join(map(str, (s[1], s[2], *s[3]))))
+def test_wgrad_matches_cudnn_fp32(tile, shape):
+    """Backward-weight: against fp32 cuDNN on the same bf16 operands, every element written (NaN
+    poisoned), two calls bitwise equal; ragged boxes on every face, several chunks."""
+    if not G.available():
+        pytest.skip(G.unavailable_reason())
+    from scaffold.bench.gluon_conv import check
+
+    row = check(*shape, [tile], directions=("bwd_weight",), with_triton=False)
+    errs = [k for k in row if k.endswith("_rel_err")]
+    assert errs, row
+    for key, v in row.items():
+        assert not key.endswith("_error"), f"{key}: {v}"
+        if key.endswith("_rel_err"):
+            assert v < 5e-3, f"{key} = {v:.2e}"
+        if key.endswith("_nan"):
+            assert not v, f"{key}: an output element was left unwritten"
+        if key.endswith("_repeat_equal"):
+            assert v, f"{key}: two calls differ"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{('x' if t.ws else 'h') if t.halo else 'w' if t.ws else 'p'}{'d' if t.direct else ''}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, (s[1], s[2], *s[3]))))
@@ -89,9 +144,9 @@ def test_the_gluon_rung_is_a_setting_and_declines_cpu_calls():
 
 @pytest.mark.gpu
 def test_the_gluon_route_runs_gluon_with_the_bias_and_its_gradients_are_right(monkeypatch):
-    """Forward (with the bias) and backward-data on the Gluon kernel, backward-weight on Triton, under
-    bf16 autocast as training runs: each direction against fp32 cuDNN on the same bf16 operands, and
-    the Gluon kernel did run (its calls counted)."""
+    """Forward (with the bias), backward-data and backward-weight on the Gluon kernels (the bias
+    gradient on ours), under bf16 autocast as training runs: each direction against fp32 cuDNN on
+    the same bf16 operands, and the Gluon kernels did run (their calls counted)."""
     if not G.available():
         pytest.skip(G.unavailable_reason())
     from scaffold.model import conv as C
@@ -100,6 +155,9 @@ def test_the_gluon_route_runs_gluon_with_the_bias_and_its_gradients_are_right(mo
     for name in ("conv3d_forward", "conv3d_backward_data"):
         real = getattr(G, name)
         monkeypatch.setattr(G, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    real_w = GW.conv3d_backward_weight
+    monkeypatch.setattr(GW, "conv3d_backward_weight",
+                        lambda *a, **k: calls.append("conv3d_backward_weight") or real_w(*a, **k))
     g = torch.Generator(device="cuda").manual_seed(3)
     cl = torch.channels_last_3d
     x = torch.randn(1, 64, 12, 16, 20, device="cuda", generator=g).contiguous(memory_format=cl)
@@ -109,9 +167,9 @@ def test_the_gluon_route_runs_gluon_with_the_bias_and_its_gradients_are_right(mo
         memory_format=cl)  # as the next layer's backward hands it over: NDHWC
     xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
     with torch.autocast("cuda", torch.bfloat16):
-        y = C.conv3d(xs, ws, bs, (1, 1, 1), (1, 1, 1), (1, 1, 1), (C.GLUON, C.GLUON, True))
+        y = C.conv3d(xs, ws, bs, (1, 1, 1), (1, 1, 1), (1, 1, 1), (C.GLUON,) * 3)
     y.backward(dy)
-    assert calls == ["conv3d_forward", "conv3d_backward_data"]
+    assert sorted(calls) == ["conv3d_backward_data", "conv3d_backward_weight", "conv3d_forward"]
     xr, wr, br = (t.detach().to(torch.bfloat16).float().requires_grad_() for t in (x, w, b))
     with torch.backends.cudnn.flags(enabled=True, deterministic=True, allow_tf32=False):
         yr = torch.nn.functional.conv3d(xr, wr, br, 1, 1)
@@ -122,7 +180,7 @@ def test_the_gluon_route_runs_gluon_with_the_bias_and_its_gradients_are_right(mo
 
 
 @pytest.mark.parametrize("spec", ["4x8x8x64:4:w1:8", "2x8x8x128:4:p1:8", "4x8x8x128:4:w1d:8",
-                                  "4x8x8x64:3:xd:4"])
+                                  "4x8x8x64:3:xd:4", "w4x4x8:4"])
 def test_compiles_for_sm90_with_overlapping_mmas_and_no_spills(spec, tmp_path):
     """Compiled ahead of time for sm_90 (no GPU needed; in a process of its own, away from the Triton
     interpreter the other tests run in): warpgroup MMAs and copy-engine loads in the SASS, no spills,

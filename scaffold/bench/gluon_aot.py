@@ -1,9 +1,10 @@
-"""The Gluon conv kernel compiled ahead of time for sm_90, on any machine (no GPU needed).
+"""The Gluon conv kernels compiled ahead of time for sm_90, on any machine (no GPU needed).
 
     python -m scaffold.bench.gluon_aot [TILE ...] [--cin 128] [--cout 128] [--size 64] [--dump DIR]
 
-TILE as scaffold.bench.gluon_conv takes it (e.g. 4x8x8x128:4:w1d:8; default: the default tiles of
-64→64 and 128→128). For each tile it binds the kernel's arguments as a launch would (the JIT's own
+TILE as scaffold.bench.gluon_conv takes it (e.g. 4x8x8x128:4:w1d:8), or w and a backward-weight tile
+(e.g. w4x4x8:4: scaffold.kernels.conv.gluon_wgrad); default: the default tiles of 64→64 and
+128→128, and the backward-weight kernel's. For each tile it binds the kernel's arguments as a launch would (the JIT's own
 binder against the CUDA backend of an sm_90 target, tensors as stand-ins: scaffold.kernels.conv.gluon
 .kernel_arguments), compiles through ptxas, and reports what answers most questions before any device
 time is spent: registers, spills, shared memory, the Hopper instructions present (HGMMA: the warpgroup
@@ -72,6 +73,11 @@ def _stand_ins(tile, n: int, cin: int, cout: int, size: tuple):
 
     d, h, w = size
     xv = Strided(torch.bfloat16, [n, d, h, w, cin])
+    if not hasattr(tile, "halo"):  # backward-weight: x, dy and the partials
+        from scaffold.kernels.conv import gluon_wgrad as GW
+        _, s, _, _ = GW.plan((n, d, h, w, cin), cout, tile, 132)
+        return (xv, Strided(torch.bfloat16, [n, d, h, w, cout]),
+                Strided(torch.float32, [2 * s, cout * 27 * cin]))
     wm = Strided(torch.bfloat16, [27 * cin, cout])
     out = Strided(torch.bfloat16, [n, cout, d, h, w], (d * h * w * cout, 1, h * w * cout, w * cout, cout))
     return xv, wm, out, Strided(torch.bfloat16, [cout])
@@ -79,21 +85,26 @@ def _stand_ins(tile, n: int, cin: int, cout: int, size: tuple):
 
 def compile_tile(tile, cin: int = 128, cout: int = 128, size: tuple = (64, 64, 64), n: int = 1,
                  bias: bool = True):
-    """The compiled kernel (triton's CompiledKernel) of one tile for sm_90."""
+    """The compiled kernel (triton's CompiledKernel) of one tile for sm_90 (a WgradTile: the
+    backward-weight kernel's)."""
     import triton
     from triton.compiler.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import create_function_from_signature
 
     from scaffold.kernels.conv import gluon as G
-
+    from scaffold.kernels.conv import gluon_wgrad as GW
     from scaffold.kernels.lib.launch import unwrap
 
-    fn = unwrap(G._conv3x3x3_halo_ws_kernel if tile.halo_ws else G._conv3x3x3_kernel)
+    if isinstance(tile, GW.WgradTile):
+        fn = unwrap(GW._conv3x3x3_wgrad_kernel)
+        _, args, kwargs = GW.kernel_arguments(*_stand_ins(tile, n, cin, cout, size), tile)
+    else:
+        fn = unwrap(G._conv3x3x3_halo_ws_kernel if tile.halo_ws else G._conv3x3x3_kernel)
+        xv, wm, out, b = _stand_ins(tile, n, cin, cout, size)
+        _, args, kwargs = G.kernel_arguments(xv, wm, out, tile, b if bias else None)
     backend = make_backend(_target())
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    xv, wm, out, b = _stand_ins(tile, n, cin, cout, size)
-    _, args, kwargs = G.kernel_arguments(xv, wm, out, tile, b if bias else None)
     kwargs = {**kwargs, "debug": False}
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
@@ -134,8 +145,9 @@ def report(compiled) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("tiles", nargs="*", help="BDxBHxBWxBN:stages:h|q|pK|wK[d]:warps[:bk] (default: the "
-                   "default tiles of 64→64 and 128→128)")
+    p.add_argument("tiles", nargs="*", help="BDxBHxBWxBN:stages:h|q|pK|wK|x[d]:warps[:bk], or "
+                   "wBDxBHxBW:stages for the backward-weight kernel (default: the default tiles of "
+                   "64→64 and 128→128, and the backward-weight kernel's)")
     p.add_argument("--cin", type=int, default=128)
     p.add_argument("--cout", type=int, default=128)
     p.add_argument("--size", type=int, default=64, help="D = H = W of the input")
@@ -146,10 +158,12 @@ def main(argv=None) -> int:
     if why:
         print(f"scaffold.bench.gluon_aot: cannot compile for sm_90 here: {why}", file=sys.stderr)
         return 2
-    from scaffold.bench.gluon_conv import parse_tile, tile_name
+    from scaffold.bench.gluon_conv import parse_tile, parse_wgrad_tile, tile_name
     from scaffold.kernels.conv import gluon as G
+    from scaffold.kernels.conv import gluon_wgrad as GW
 
-    tiles = [parse_tile(t) for t in args.tiles] or [G.default_tile(64, 64), G.default_tile(128, 128)]
+    tiles = ([parse_wgrad_tile(t[1:]) if t.startswith("w") else parse_tile(t) for t in args.tiles]
+             or [G.default_tile(64, 64), G.default_tile(128, 128), GW.DEFAULT_TILE])
     failed, reports = 0, {}
     print(f"{'tile':26s} {'regs':>5s} {'spill':>6s} {'shared':>7s} {'fits':>5s} {'HGMMA':>6s} "
           f"{'UTMALDG':>8s}  notes")

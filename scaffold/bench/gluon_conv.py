@@ -1,13 +1,15 @@
 """The Gluon 3×3×3 conv (scaffold.kernels.conv.gluon) against deterministic cuDNN and our Triton kernel.
 
     python -m scaffold.bench.gluon_conv --scale 8 --sites inc.conv2 [--tiles 8x4x8x64:3:h:8,...]
-                                        [--directions fwd,bwd_data] [--timer device] [--out g.json]
+                                        [--wtiles 4x4x8:4,...] [--directions fwd,bwd_data,bwd_weight]
+                                        [--timer device] [--out g.json]
     python -m scaffold.bench.gluon_conv --check        # small odd shapes only: correctness
 
 For each site of the U-Net (scaffold.bench.sites) that the Gluon kernel takes (3×3×3, padding 1,
 channels multiples of 64) and each direction (forward; backward-data, the forward on the flipped
-weight), on the same bf16 NDHWC tensors, all in one call: the Gluon kernel with each tile of
-`--tiles` (default: the site's default tile), `cudnn_det` (cuDNN restricted to deterministic
+weight; backward-weight, scaffold.kernels.conv.gluon_wgrad), on the same bf16 NDHWC tensors, all in
+one call: the Gluon kernels with each tile of `--tiles` (`--wtiles` for backward-weight; default: the
+site's default tile), `cudnn_det` (cuDNN restricted to deterministic
 algorithms without search: the vendor rung in training) and `triton` (the current box kernels).
 Times are medians of scaffold.bench.timing (default `device`: CUDA-graph replays); TFLOP/s and the
 share of 790 TFLOP/s (an H200's dense bf16 rate) are of the direction's 2·voxels·Cin·Cout·27 flops.
@@ -25,7 +27,7 @@ import torch
 from scaffold.bench import write_json
 
 PEAK_TFLOPS = 790.0
-DIRECTIONS = ("fwd", "bwd_data")
+DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
 
 
 def parse_tile(text: str):
@@ -52,7 +54,24 @@ def parse_tile(text: str):
                          f"e.g. 4x8x8x128:4:w1d:8 ({e})") from None
 
 
+def parse_wgrad_tile(text: str):
+    """'BDxBHxBW:stages[:s]' -> WgradTile (the backward-weight kernel's box and ring depth; a trailing
+    :s splits every box's planes between the two MMA warpgroups instead of alternating boxes)."""
+    from scaffold.kernels.conv.gluon_wgrad import WgradTile
+
+    try:
+        box, stages, *mode = text.split(":")
+        if mode not in ([], ["s"]):
+            raise ValueError(f"mode {mode}")
+        bd, bh, bw = (int(v) for v in box.split("x"))
+        return WgradTile(bd, bh, bw, stages=int(stages), split_planes=bool(mode))
+    except ValueError as e:
+        raise SystemExit(f"--wtiles: {text!r}: expected BDxBHxBW:stages[:s], e.g. 4x4x8:4 ({e})") from None
+
+
 def tile_name(t) -> str:
+    if not hasattr(t, "halo"):  # a WgradTile
+        return f"w{t.bd}x{t.bh}x{t.bw}:{t.stages}{':s' if t.split_planes else ''}"
     mode = ("x" if t.ws else "h") if t.halo else (f"{'w' if t.ws else 'p'}{t.per_sm}" if t.persistent else "q")
     return f"{t.bd}x{t.bh}x{t.bw}x{t.bn}:{t.stages}:{mode}{'d' if t.direct else ''}:{t.warps}:{t.bk}"
 
@@ -74,9 +93,18 @@ def _references(x, w, dy):
     xf, wf, dyf = x.float(), w.float(), dy.float()
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
         fwd = F.conv3d(xf, wf, None, 1, 1)
-        bwd = torch.ops.aten.convolution_backward(dyf, xf, wf, None, (1, 1, 1), (1, 1, 1), (1, 1, 1),
-                                                  False, (0, 0, 0), 1, [True, False, False])[0]
-    return {"fwd": fwd, "bwd_data": bwd}
+        bwd, wgrad, _ = torch.ops.aten.convolution_backward(dyf, xf, wf, None, (1, 1, 1), (1, 1, 1),
+                                                            (1, 1, 1), False, (0, 0, 0), 1,
+                                                            [True, True, False])
+    return {"fwd": fwd, "bwd_data": bwd, "bwd_weight": wgrad}
+
+
+def tiles_for(tiles, direction: str) -> list:
+    """The tiles of one direction: `tiles(direction)` when callable, else those of the list that
+    are of its kernel (WgradTile for backward-weight, GluonTile for the others)."""
+    if callable(tiles):
+        return list(tiles(direction))
+    return [t for t in tiles if hasattr(t, "halo") != (direction == "bwd_weight")]
 
 
 def _rel(out, ref) -> float:
@@ -85,9 +113,12 @@ def _rel(out, ref) -> float:
 
 def gluon_call(direction, x, w, dy, tile, out=None):
     from scaffold.kernels.conv import gluon as G
+    from scaffold.kernels.conv import gluon_wgrad as GW
 
     if direction == "fwd":
         return lambda: G.conv3d_forward(x, w, out, tile)
+    if direction == "bwd_weight":
+        return lambda: GW.conv3d_backward_weight(dy, x, out, tile)
     return lambda: G.conv3d_backward_data(dy, w, out, tile)
 
 
@@ -97,6 +128,8 @@ def triton_call(direction, x, w, dy):
     g = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
     if direction == "fwd":
         return lambda: K.conv3d_forward(x, w, None, *g)
+    if direction == "bwd_weight":
+        return lambda: K.conv3d_backward_weight(dy, x, w.shape, w.dtype, *g)
     return lambda: K.conv3d_backward_data(dy, w, x.shape, *g)
 
 
@@ -106,9 +139,10 @@ def cudnn_det_call(direction, x, w, dy):
     def fwd():
         return F.conv3d(x, w, None, 1, 1)
 
-    def bwd():
-        return torch.ops.aten.convolution_backward(dy, x, w, None, (1, 1, 1), (1, 1, 1), (1, 1, 1),
-                                                   False, (0, 0, 0), 1, [True, False, False])[0]
+    def backward(i):
+        mask = [i == 0, i == 1, False]
+        return lambda: torch.ops.aten.convolution_backward(dy, x, w, None, (1, 1, 1), (1, 1, 1),
+                                                           (1, 1, 1), False, (0, 0, 0), 1, mask)[i]
 
     def det(fn):
         def run():
@@ -116,7 +150,7 @@ def cudnn_det_call(direction, x, w, dy):
                                             allow_tf32=False):
                 return fn()
         return run
-    return det(fwd if direction == "fwd" else bwd)
+    return det(fwd if direction == "fwd" else backward(0 if direction == "bwd_data" else 1))
 
 
 def check(n, cin, cout, size, tiles, directions=DIRECTIONS, with_triton=True, refs=None,
@@ -127,11 +161,11 @@ def check(n, cin, cout, size, tiles, directions=DIRECTIONS, with_triton=True, re
     refs = refs or _references(x, w, dy)
     row = {"shape": [n, cin, cout, *size]}
     for d in directions:
-        oc = cout if d == "fwd" else cin
-        for t in (tiles(d) if callable(tiles) else tiles):
+        shape = {"fwd": (n, cout, *size), "bwd_data": (n, cin, *size), "bwd_weight": tuple(w.shape)}[d]
+        for t in tiles_for(tiles, d):
             key = f"gluon[{tile_name(t)}]_{d}"
             try:
-                out = torch.full((n, oc, *size), float("nan"), device="cuda", dtype=torch.bfloat16)
+                out = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
                 out = out.contiguous(memory_format=torch.channels_last_3d)
                 gluon_call(d, x, w, dy, t, out)()
                 again = gluon_call(d, x, w, dy, t)()
@@ -173,7 +207,7 @@ def bench_site(site, tiles, directions, timer, reps, do_check=True) -> dict:
         torch.cuda.empty_cache()
     for d in directions:
         calls = {f"gluon[{tile_name(t)}]": gluon_call(d, x, w, dy, t)
-                 for t in (tiles(d) if callable(tiles) else tiles)}
+                 for t in tiles_for(tiles, d)}
         calls["cudnn_det"] = cudnn_det_call(d, x, w, dy)
         calls["triton"] = triton_call(d, x, w, dy)
         for name, fn in calls.items():
@@ -189,7 +223,7 @@ def format_site(row: dict, tiles, directions) -> str:
     lines = [f"{row['site']} {row['cin']}>{row['cout']}@{row['edge']} x{row['count']} "
              f"({row['gflop']:.1f} GFLOP a direction)"]
     for d in directions:
-        names = [f"gluon[{tile_name(t)}]" for t in (tiles(d) if callable(tiles) else tiles)]
+        names = [f"gluon[{tile_name(t)}]" for t in tiles_for(tiles, d)]
         for name in names + ["cudnn_det", "triton"]:
             ms = row.get(f"{name}_{d}_ms")
             err = row.get("check", {}).get(f"{name}_{d}_rel_err")
@@ -203,9 +237,23 @@ def format_site(row: dict, tiles, directions) -> str:
     return "\n".join(lines)
 
 
-def default_tiles(G, cin, cout):
-    """Per direction, the default tile for its output width."""
-    return lambda d: [G.default_tile(cin, cout) if d == "fwd" else G.default_tile(cout, cin)]
+def default_tiles(G, cin, cout, wtiles=()):
+    """Per direction, the default tile for its output width (backward-weight: `wtiles`, else its
+    kernel's default tile)."""
+    from scaffold.kernels.conv import gluon_wgrad as GW
+
+    def tiles(d):
+        if d == "bwd_weight":
+            return list(wtiles) or [GW.DEFAULT_TILE]
+        return [G.default_tile(cin, cout) if d == "fwd" else G.default_tile(cout, cin)]
+    return tiles
+
+
+def _tiles(user_tiles, wtiles, G, cin, cout):
+    """Per direction: `--tiles` for forward and backward-data where given, `--wtiles` for
+    backward-weight where given, else the defaults."""
+    default = default_tiles(G, cin, cout, wtiles)
+    return lambda d: default(d) if d == "bwd_weight" or not user_tiles else user_tiles
 
 
 def main(argv=None) -> int:
@@ -215,7 +263,9 @@ def main(argv=None) -> int:
                    "sites the kernel takes)")
     p.add_argument("--tiles", default="", help="comma-separated BDxBHxBWxBN:stages:h|q|pK|wK|x[d]:warps[:bk] "
                    "(default: each site's default tile)")
-    p.add_argument("--directions", default="fwd,bwd_data")
+    p.add_argument("--wtiles", default="", help="backward-weight tiles, comma-separated BDxBHxBW:stages "
+                   "(default: its kernel's default tile)")
+    p.add_argument("--directions", default="fwd,bwd_data,bwd_weight")
     p.add_argument("--timer", default="device", choices=("wall", "device"))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--check", action="store_true", help="only the small-shape correctness check")
@@ -237,10 +287,11 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"--directions: {bad}: expected a subset of {','.join(DIRECTIONS)}")
     user_tiles = [parse_tile(t) for t in args.tiles.split(",") if t]
+    wtiles = [parse_wgrad_tile(t) for t in args.wtiles.split(",") if t]
     result = {"device": torch.cuda.get_device_name(), "timer": args.timer, "checks": [], "sites": []}
     if args.check:
         for n, ci, co, size in CHECK_SHAPES:
-            tiles = user_tiles or default_tiles(G, ci, co)
+            tiles = _tiles(user_tiles, wtiles, G, ci, co)
             row = check(n, ci, co, size, tiles, directions)
             print(row)
             result["checks"].append(row)
@@ -253,7 +304,7 @@ def main(argv=None) -> int:
                     continue
                 if site.cin % 64 or site.cout % 64:
                     continue
-                tiles = user_tiles or default_tiles(G, site.cin, site.cout)
+                tiles = _tiles(user_tiles, wtiles, G, site.cin, site.cout)
                 row = bench_site(site, tiles, directions, args.timer, args.reps, not args.no_check)
                 row["scale"] = scale
                 print(format_site(row, tiles, directions), flush=True)

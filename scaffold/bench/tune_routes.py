@@ -5,8 +5,8 @@
 
 For every distinct conv site of the model (scaffold.bench.sites) and each direction (forward,
 backward-data, backward-weight; the bias gradient runs on ours whatever the route) it times our
-Triton launchers, our Gluon kernel where it takes the site and direction (sm_90: forward and
-backward-data of 3×3×3 sites with channels multiples of 64), and cuDNN restricted to deterministic
+Triton launchers, our Gluon kernels where they take the site and direction (sm_90: 3×3×3 sites
+with channels multiples of 64; scaffold.bench.conv.gluon_calls), and cuDNN restricted to deterministic
 algorithms without search (what the vendor rung runs in training) on the same bf16 NDHWC operands, `--reps` rounds interleaved, and takes the
 median per side. `--timer wall` (the default) times calls as launched from Python, the host's launch
 cost included; `--timer device` times CUDA-graph replays, the device time alone: the measure for a

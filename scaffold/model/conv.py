@@ -2,8 +2,8 @@
 
 A conv site has three directions per step: forward, backward-data and backward-weight. A route
 (three entries, from scaffold.model.policy) sends each to our Triton launchers (True;
-scaffold.kernels.conv), to our Gluon kernel for Hopper (GLUON, forward and backward-data of 3×3×3
-convs; scaffold.kernels.conv.gluon; where it cannot take a call, the Triton launcher does) or to ATen
+scaffold.kernels.conv), to our Gluon kernels for Hopper (GLUON, the three directions of 3×3×3 convs;
+scaffold.kernels.conv.gluon and .gluon_wgrad; where one cannot take a call, the Triton launcher does) or to ATen
 (False: cuDNN on CUDA, under the process's determinism flags); the `triton` rung is the route
 (True, True, True). The bias gradient is our split reduction (`bias_grad`) whatever the route: it
 reads dy once, faster than ATen's sum at every size the model has (H200: 0.85 against 0.89 ms at
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from scaffold.kernels import conv as K
 from scaffold.kernels.conv import gluon as G
+from scaffold.kernels.conv import gluon_wgrad as GW
 
 ALL_TRITON = (True, True, True)
 GLUON = "gluon"  # a route entry: our Gluon kernel (truthy: ours, not ATen)
@@ -38,6 +39,12 @@ def _backward_data(dy, w, x_shape, stride, padding, dilation, on):
     if on == GLUON and G.supported(dy, w.transpose(0, 1), stride, padding, dilation):
         return G.conv3d_backward_data(dy, w)
     return K.conv3d_backward_data(dy, w, x_shape, stride, padding, dilation)
+
+
+def _backward_weight(dy, x, w, stride, padding, dilation, on):
+    if on == GLUON and GW.supported(dy, x, w.shape, stride, padding, dilation):
+        return GW.conv3d_backward_weight(dy, x, dtype=w.dtype)
+    return K.conv3d_backward_weight(dy, x, w.shape, w.dtype, stride, padding, dilation)
 
 
 class _ConvFn(torch.autograd.Function):
@@ -75,7 +82,7 @@ class _ConvFn(torch.autograd.Function):
                   else _backward_data(dy, w, x.shape, *g, route[1]))
         if need_dw and route[2]:
             dw = (K.conv_transpose3d_backward_weight(dy, x, w.shape, w.dtype) if transposed
-                  else K.conv3d_backward_weight(dy, x, w.shape, w.dtype, *g))
+                  else _backward_weight(dy, x, w, *g, route[2]))
         if need_db:  # ours whatever the route: faster than ATen's sum at every measured size
             db = K.bias_grad(dy, ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None

@@ -6,7 +6,7 @@ that a missing or broken kernel module only makes the rung unavailable); `routed
 runs each direction (forward, backward-data, backward-weight) on Triton, on our Gluon kernel for Hopper
 or on deterministic cuDNN as a table of measured routes says (scaffold/model/routes.py); `gluon` (the
 convolutions, sm_90) runs forward and backward-data of the 3×3×3 convs it takes on the Gluon kernel
-(scaffold.kernels.conv.gluon) and their backward-weight on Triton. More rungs can be registered (tests register
+(scaffold.kernels.conv.gluon) and their backward-weight on Triton (GLUON_ROUTE). More rungs can be registered (tests register
 fakes); a registered rung is a valid `ladder.<kind>` setting.
 
 The choice is a pure function of (setting, device, the call's metadata): never of a timing race, so
@@ -152,6 +152,9 @@ def select_rung(op: str, setting: str, call: Any) -> str:
 # --- the convolutions' directions ---------------------------------------------------------------
 
 ALL_TRITON = (True, True, True)
+# The `gluon` rung: forward and backward-data on the Gluon kernel; backward-weight on Triton (the Gluon
+# backward-weight kernel, scaffold.kernels.conv.gluon_wgrad, is reachable through routes.py entries).
+GLUON_ROUTE = (GLUON, GLUON, True)
 
 
 def conv_route(call: ConvCall | ConvTransposeCall) -> Optional[tuple]:
@@ -212,8 +215,8 @@ def _conv_transpose_forward(c: ConvTransposeCall, route) -> torch.Tensor:
 
 def _gluon_supports(c: ConvCall) -> bool:
     """Metadata only: a conv the Gluon kernel takes (scaffold.kernels.conv.gluon.takes) in the dtype
-    it computes in (autocast's when it is on), and that the Triton launchers take too (the
-    backward-weight, and any operand the Gluon kernel declines at run time)."""
+    it computes in (autocast's when it is on; the backward-weight kernel takes the same convs), and
+    that the Triton launchers take too (any operand a Gluon kernel declines at run time)."""
     gluon = kernel_module("scaffold.kernels.conv.gluon")
     if gluon is None or not _on_cuda(c.x):
         return False
@@ -235,7 +238,7 @@ def _register_triton_rungs() -> None:
                            "scaffold.kernels.seg_loss")
     _REGISTRY["conv"][TRITON] = Rung(_conv_supports, lambda c: _conv_forward(c, ALL_TRITON))
     _REGISTRY["conv"][ROUTED] = Rung(_routed(_conv_supports), lambda c: _conv_forward(c, conv_route(c)))
-    _REGISTRY["conv"][GLUON] = Rung(_gluon_supports, lambda c: _conv_forward(c, (GLUON, GLUON, True)))
+    _REGISTRY["conv"][GLUON] = Rung(_gluon_supports, lambda c: _conv_forward(c, GLUON_ROUTE))
     _REGISTRY["conv_transpose"][TRITON] = Rung(_conv_transpose_supports,
                                                lambda c: _conv_transpose_forward(c, ALL_TRITON))
     _REGISTRY["conv_transpose"][ROUTED] = Rung(_routed(_conv_transpose_supports),

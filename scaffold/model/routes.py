@@ -16,9 +16,9 @@ a shape runs on Triton.
 `python -m scaffold.bench.tune_routes` times both sides per site and direction on the GPU the table is for and
 rewrites the ROUTES block below. Keys: arch|dtype|op|cin>cout|geometry|DxHxW of the conv's input
 (batch excluded: the routes were measured at batch 1); values: the rung of forward, backward-data and
-backward-weight: 'triton', 'vendor', or 'gluon' (our Gluon kernel for Hopper, forward and
-backward-data of the 3×3×3 convs whose channels are multiples of 64; where it declines an operand at
-run time, e.g. one not contiguous in NDHWC, the Triton launcher runs that call).
+backward-weight: 'triton', 'vendor', or 'gluon' (our Gluon kernels for Hopper, the three directions
+of the 3×3×3 convs whose channels are multiples of 64; where one declines an operand at run time,
+e.g. one not contiguous in NDHWC, the Triton launcher runs that call).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from scaffold.kernels.lib.device import arch_key, dtype_key
 
 TRITON = "triton"
 VENDOR = "vendor"
-GLUON = "gluon"  # our Gluon kernel for Hopper: forward and backward-data of 3×3×3 convs only
+GLUON = "gluon"  # our Gluon kernels for Hopper: the three directions of 3×3×3 convs only
 
 # BEGIN ROUTES (written by python -m scaffold.bench.tune_routes; values: forward, backward-data, backward-weight)
 ROUTES: dict[str, tuple[str, str, str]] = {

@@ -1,0 +1,301 @@
+"""Backward-weight of the 3×3×3 conv (stride 1, padding 1) on Hopper (sm_90) in Gluon.
+
+  dW[co, ci, kd, kh, kw] = sum over voxels v of dy[v, co] · x[v + (kd, kh, kw) − 1, ci]
+
+Per tap that is a GEMM whose reduction runs over the voxels: [Cout, V] · [V, Cin]. A program owns one
+(kh, kw) pair, one 64 × 64 block of (Cout, Cin) and one contiguous chunk of the volume's boxes
+(BD×BH×BW voxels each), and keeps the three kd taps' accumulators. For each box a one-warp loader
+copies dy's box (BD planes, `co` block) and x's box shifted by (kh − 1, kw − 1) with its d halo
+(BD + 2 planes, `ci` block; two copies, BD then 2 planes: shapes are powers of two); out-of-volume
+coordinates read as zero, which is both the padding and the ragged last boxes. Output plane p at
+tap kd is the MMA of dy's plane p, transposed in shared memory (the MMA reads it MN-major), with x's
+plane p + kd: 3·BD MMAs per box, each input plane read once for three taps. Two MMA warpgroups take
+alternate boxes of the chunk, each with its own three accumulators.
+
+Determinism: every program and warpgroup writes its fp32 partial to a slot of its own (chunk c,
+warpgroup j: slot 2c + j) and `sum_splits` adds the slots in index order. No atomics: the bits
+depend only on the shape and the device's multiprocessor count (which sets the chunks).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..lib.device import sm_count
+from ..lib.indexing import cdiv
+from ..lib.launch import launched
+from ..lib.splits import _wave_split_plan, sum_splits
+from . import gluon as G
+
+gluon, gl = G.gluon, G.gl
+
+
+# Not offered to the route tuner (scaffold.bench.conv.gluon_calls) while False: on its first device run
+# two calls on the same operands gave different bits at a small ragged shape (docs/performance-log.md).
+# scaffold.bench.gluon_conv times and checks it regardless.
+ROUTABLE = False
+
+SM90_SMEM_PER_SM = 233472  # bytes of shared memory on one sm_90 multiprocessor
+
+
+@dataclass(frozen=True)
+class WgradTile:
+    """A box of BD×BH×BW voxels per step (the MMAs' reduction: one BH·BW plane per MMA), BCO output
+    and BCI input channels per program (MMA rows and columns), ring depth."""
+    bd: int = 4
+    bh: int = 4
+    bw: int = 8
+    bco: int = 64
+    bci: int = 64
+    stages: int = 4
+    split_planes: bool = False  # the two MMA warpgroups take half the planes of every box, not alternate boxes
+
+    def __post_init__(self):
+        if self.split_planes and self.bd % 2:
+            raise ValueError(f"WgradTile: split_planes needs an even bd, got {self.bd}")
+        if not self.split_planes and (self.stages < 3 or self.stages % 2):
+            # a warpgroup frees a box's stage two boxes later (two stages deadlock), and with an odd
+            # ring it would wait on a stage two phases ahead (a parity wait cannot tell those apart)
+            raise ValueError(f"WgradTile: alternate boxes need an even ring of 4 or more, got {self.stages}")
+        if self.bco != 64:
+            raise ValueError(f"WgradTile: bco is one warpgroup's 64 MMA rows, got {self.bco}")
+        if (self.bh * self.bw) % 16 or self.bci % 64:
+            raise ValueError(f"WgradTile: a plane of {self.bh}x{self.bw} voxels (the MMA's K) must be "
+                             f"a multiple of 16 and bci a multiple of 64")
+
+    @property
+    def plane(self) -> int:
+        return self.bh * self.bw
+
+    def smem_bytes(self) -> int:
+        return self.stages * self.plane * ((self.bd + 2) * self.bci + self.bd * self.bco) * 2
+
+    @property
+    def per_sm(self) -> int:
+        """Programs a multiprocessor holds at once (its 228 KiB of shared memory; barriers aside)."""
+        return max(1, SM90_SMEM_PER_SM // (self.smem_bytes() + 1024))
+
+    def step_flops(self) -> int:
+        """FLOPs of one box: three taps, BD planes each."""
+        return 2 * 3 * self.bd * self.plane * self.bco * self.bci
+
+
+DEFAULT_TILE = WgradTile()
+
+
+def takes(dy: torch.Tensor, x: torch.Tensor, w_shape, dtype: torch.dtype, stride=(1, 1, 1),
+          padding=(1, 1, 1), dilation=(1, 1, 1)) -> bool:
+    """Metadata only: bf16 (the compute dtype) on sm_90, 3×3×3, stride 1, padding 1, channels
+    multiples of 64 (as the forward)."""
+    if not (x.is_cuda and G.available(x.device)) or dtype != torch.bfloat16:
+        return False
+    if x.dim() != 5 or dy.dim() != 5 or tuple(w_shape[2:]) != (3, 3, 3):
+        return False
+    if (tuple(stride), tuple(padding), tuple(dilation)) != ((1, 1, 1),) * 3:
+        return False
+    if tuple(dy.shape[2:]) != tuple(x.shape[2:]) or dy.shape[0] != x.shape[0]:
+        return False
+    return not (x.shape[1] % 64 or dy.shape[1] % 64)
+
+
+def supported(dy: torch.Tensor, x: torch.Tensor, w_shape, stride=(1, 1, 1), padding=(1, 1, 1),
+              dilation=(1, 1, 1)) -> bool:
+    """Whether the kernel takes these very operands: bf16, NDHWC contiguous, 16-byte aligned."""
+    if dy.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        return False
+    if not takes(dy, x, w_shape, torch.bfloat16, stride, padding, dilation):
+        return False
+    return all(t.permute(0, 2, 3, 4, 1).is_contiguous() and t.data_ptr() % 16 == 0 for t in (dy, x))
+
+
+if gluon is not None:
+    mbarrier, fence_async_shared = G.mbarrier, G.fence_async_shared
+    warpgroup_mma, warpgroup_mma_wait = G.warpgroup_mma, G.warpgroup_mma_wait
+
+    @gluon.jit
+    def _box_origin(box, tiles_w, tiles_h, tiles_d, BD: gl.constexpr, BH: gl.constexpr,
+                    BW: gl.constexpr):
+        tw = box % tiles_w
+        th = (box // tiles_w) % tiles_h
+        td = (box // (tiles_w * tiles_h)) % tiles_d
+        n = box // (tiles_w * tiles_h * tiles_d)
+        return n, td * BD, th * BH, tw * BW
+
+    @gluon.jit
+    def _wgrad_loader(x_desc, xh_desc, g_desc, x_lo, x_hi, g_buf, ready, empty, kh, kw, ci0, co0, start,
+                      count, tiles_w, tiles_h, tiles_d, BD: gl.constexpr, BH: gl.constexpr,
+                      BW: gl.constexpr, BCI: gl.constexpr, BCO: gl.constexpr, STAGES: gl.constexpr,
+                      PUBLIC_REINTERPRET: gl.constexpr):
+        PLANE: gl.constexpr = BH * BW
+        for i in range(count):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first use passes at once
+            n, d0, h0, w0 = _box_origin(start + i, tiles_w, tiles_h, tiles_d, BD, BH, BW)
+            bar = ready.index(s)
+            mbarrier.expect(bar, ((BD + 2) * BCI + BD * BCO) * PLANE * 2)
+            if PUBLIC_REINTERPRET:
+                lo = x_lo.index(s).reinterpret(gl.bfloat16, [1, BD, BH, BW, BCI], x_desc.layout)
+                hi = x_hi.index(s).reinterpret(gl.bfloat16, [1, 2, BH, BW, BCI], xh_desc.layout)
+                gb = g_buf.index(s).reinterpret(gl.bfloat16, [1, BD, BH, BW, BCO], g_desc.layout)
+            else:
+                lo = x_lo.index(s)._reinterpret(gl.bfloat16, [1, BD, BH, BW, BCI], x_desc.layout)
+                hi = x_hi.index(s)._reinterpret(gl.bfloat16, [1, 2, BH, BW, BCI], xh_desc.layout)
+                gb = g_buf.index(s)._reinterpret(gl.bfloat16, [1, BD, BH, BW, BCO], g_desc.layout)
+            G._tma_load(x_desc, [n, d0 - 1, h0 - 1 + kh, w0 - 1 + kw, ci0], bar, lo)
+            G._tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, ci0], bar, hi)
+            G._tma_load(g_desc, [n, d0, h0, w0, co0], bar, gb)
+
+    @gluon.jit
+    def _wgrad_store(acc, p_ptr, slot, tap, co0, ci0, Cout, Cin, BCO: gl.constexpr, BCI: gl.constexpr,
+                     LAYOUT: gl.constexpr):
+        """acc (one tap's [BCO, BCI] block) into partial slot `slot`, laid out as dW's channels-last
+        flat index: (co, tap, ci)."""
+        co = co0 + gl.arange(0, BCO, layout=gl.SliceLayout(1, LAYOUT))
+        ci = ci0 + gl.arange(0, BCI, layout=gl.SliceLayout(0, LAYOUT))
+        q = 27 * Cin
+        off = (slot.to(gl.int64) * Cout * q + gl.expand_dims(co.to(gl.int64) * q, 1)
+               + gl.expand_dims(tap * Cin + ci, 0))
+        mask = gl.expand_dims(co < Cout, 1) & gl.expand_dims(ci < Cin, 0)
+        gl.store(p_ptr + off, acc, mask=mask)
+
+    @gluon.jit
+    def _wgrad_mma(x_lo, x_hi, g_buf, ready, empty, p_ptr, slot, tap, co0, ci0, Cout, Cin, count,
+                   J: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr,
+                   BCI: gl.constexpr, BCO: gl.constexpr, STAGES: gl.constexpr,
+                   MMA_LAYOUT: gl.constexpr, SPLIT_PLANES: gl.constexpr):
+        """Warpgroup J's share, three accumulators (kd = 0, 1, 2): boxes J, J + 2, J + 4, ... of the
+        chunk, or (SPLIT_PLANES) half the planes of every box."""
+        PLANE: gl.constexpr = BH * BW
+        NP: gl.constexpr = BD // 2 if SPLIT_PLANES else BD  # planes of a box this warpgroup takes
+        P0: gl.constexpr = J * NP if SPLIT_PLANES else 0
+        LAG: gl.constexpr = 1 if SPLIT_PLANES else 2  # this warpgroup's previous box: i - LAG
+        acc0 = gl.zeros([BCO, BCI], gl.float32, layout=MMA_LAYOUT)
+        acc1 = gl.zeros([BCO, BCI], gl.float32, layout=MMA_LAYOUT)
+        acc2 = gl.zeros([BCO, BCI], gl.float32, layout=MMA_LAYOUT)
+        for i in range(0 if SPLIT_PLANES else J, count, 1 if SPLIT_PLANES else 2):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            for p in gl.static_range(P0, P0 + NP):
+                a = g_buf.index(s).slice(p * PLANE, PLANE, dim=0).permute((1, 0))  # [BCO, PLANE]
+                acc0 = warpgroup_mma(a, G._plane(x_lo, x_hi, s, p, BD, PLANE), acc0, is_async=True)
+                acc1 = warpgroup_mma(a, G._plane(x_lo, x_hi, s, p + 1, BD, PLANE), acc1, is_async=True)
+                acc2 = warpgroup_mma(a, G._plane(x_lo, x_hi, s, p + 2, BD, PLANE), acc2, is_async=True)
+            # This box's MMAs may run on; this warpgroup's previous box's have retired: its stage
+            # goes back to the loader.
+            acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=3 * NP, deps=(acc0, acc1, acc2))
+            if i >= LAG:
+                mbarrier.arrive(empty.index((i - LAG) % STAGES), count=1)
+        acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2))
+        _wgrad_store(acc0, p_ptr, slot, tap, co0, ci0, Cout, Cin, BCO, BCI, MMA_LAYOUT)
+        _wgrad_store(acc1, p_ptr, slot, tap + 9, co0, ci0, Cout, Cin, BCO, BCI, MMA_LAYOUT)
+        _wgrad_store(acc2, p_ptr, slot, tap + 18, co0, ci0, Cout, Cin, BCO, BCI, MMA_LAYOUT)
+
+    @launched
+    @gluon.jit
+    def _conv3x3x3_wgrad_kernel(x_desc, xh_desc, g_desc, p_ptr, Cin, Cout, tiles_d, tiles_h, tiles_w,
+                                num_boxes, per_split, tiles_ci, tiles_co, BD: gl.constexpr,
+                                BH: gl.constexpr, BW: gl.constexpr, BCI: gl.constexpr,
+                                BCO: gl.constexpr, STAGES: gl.constexpr, X_LAYOUT: gl.constexpr,
+                                G_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
+                                PUBLIC_REINTERPRET: gl.constexpr, SPLIT_PLANES: gl.constexpr):
+        PLANE: gl.constexpr = BH * BW
+        # Program order: (kh, kw) fastest, then the channel blocks, then the chunk, so the programs
+        # that run together read the same boxes (from L2).
+        pid = gl.program_id(0)
+        t = pid % 9
+        rest = pid // 9
+        ci0 = (rest % tiles_ci) * BCI
+        rest = rest // tiles_ci
+        co0 = (rest % tiles_co) * BCO
+        split = rest // tiles_co
+        start = split * per_split
+        count = gl.minimum(per_split, num_boxes - start)
+        x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BD * PLANE, BCI], X_LAYOUT)
+        x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * PLANE, BCI], X_LAYOUT)
+        g_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BD * PLANE, BCO], G_LAYOUT)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2 if SPLIT_PLANES else 1)  # the warpgroups that read it
+        fence_async_shared()
+        gl.warp_specialize([
+            (_wgrad_mma, (x_lo, x_hi, g_buf, ready, empty, p_ptr, 2 * split, t, co0, ci0, Cout, Cin,
+                          count, 0, BD, BH, BW, BCI, BCO, STAGES, MMA_LAYOUT, SPLIT_PLANES)),
+            (_wgrad_mma, (x_lo, x_hi, g_buf, ready, empty, p_ptr, 2 * split + 1, t, co0, ci0, Cout,
+                          Cin, count, 1, BD, BH, BW, BCI, BCO, STAGES, MMA_LAYOUT, SPLIT_PLANES)),
+            (_wgrad_loader, (x_desc, xh_desc, g_desc, x_lo, x_hi, g_buf, ready, empty, t // 3, t % 3,
+                             ci0, co0, start, count, tiles_w, tiles_h, tiles_d, BD, BH, BW, BCI, BCO,
+                             STAGES, PUBLIC_REINTERPRET)),
+        ], [4, 1], [232, 40])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(tile: WgradTile):
+    """(x ring layout, dy ring layout, MMA layout, x box, x halo box, dy box descriptor layouts)."""
+    rows = tile.bd * tile.plane
+    xl2 = gl.NVMMASharedLayout.get_default_for([rows, tile.bci], gl.bfloat16)
+    gl2 = gl.NVMMASharedLayout.get_default_for([rows, tile.bco], gl.bfloat16)
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                    instr_shape=[16, tile.bci, 16])
+    box = lambda planes, c: gl.NVMMASharedLayout.get_default_for(  # noqa: E731
+        [1, planes, tile.bh, tile.bw, c], gl.bfloat16)
+    return xl2, gl2, mma, box(tile.bd, tile.bci), box(2, tile.bci), box(tile.bd, tile.bco)
+
+
+def plan(shape_x, cout: int, tile: WgradTile, sms: int) -> tuple[int, int, int, int]:
+    """(programs, splits, boxes per split, boxes) for x of shape (N, D, H, W, Cin)-ordered sizes."""
+    n, d, h, w, cin = shape_x
+    boxes = n * cdiv(d, tile.bd) * cdiv(h, tile.bh) * cdiv(w, tile.bw)
+    tiles = 9 * cdiv(cin, tile.bci) * cdiv(cout, tile.bco)
+    s, per = _split(sms, tiles, boxes, 2 * cout * cin * 27, tile)
+    return tiles * s, s, per, boxes
+
+
+def _split(sms, tiles, boxes, partial_elems, tile):
+    # 2 boxes at least a chunk: one for each MMA warpgroup
+    return _wave_split_plan(sms * tile.per_sm, tiles, boxes, partial_elems, float(tile.step_flops()), 2,
+                            1 << 30)
+
+
+def kernel_arguments(xv, gv, partials, tile: WgradTile, sms: int = 132) -> tuple:
+    """(grid, positional arguments, keyword arguments) of one launch. xv, gv: x and dy as [N, D, H, W,
+    C] views; partials: fp32 [2·splits, Cout·27·Cin]. Tensors need only shape, stride, dtype and
+    data_ptr (an ahead-of-time compile passes stand-ins)."""
+    n, d, h, w, cin = xv.shape
+    cout = gv.shape[4]
+    programs, s, per, boxes = plan(tuple(xv.shape), cout, tile, sms)
+    xl2, gl2, mma, xl, xhl, gdl = _layouts(tile)
+    x_desc = G.TensorDescriptor(xv, list(xv.shape), list(xv.stride()),
+                                [1, tile.bd, tile.bh, tile.bw, tile.bci], xl)
+    xh_desc = G.TensorDescriptor(xv, list(xv.shape), list(xv.stride()), [1, 2, tile.bh, tile.bw, tile.bci],
+                                 xhl)
+    g_desc = G.TensorDescriptor(gv, list(gv.shape), list(gv.stride()),
+                                [1, tile.bd, tile.bh, tile.bw, tile.bco], gdl)
+    args = (x_desc, xh_desc, g_desc, partials, cin, cout, cdiv(d, tile.bd), cdiv(h, tile.bh),
+            cdiv(w, tile.bw), boxes, per, cdiv(cin, tile.bci), cdiv(cout, tile.bco),
+            tile.bd, tile.bh, tile.bw, tile.bci, tile.bco, tile.stages, xl2, gl2, mma,
+            G._public_reinterpret(), tile.split_planes)
+    return (programs,), args, {"num_warps": 4}
+
+
+def conv3d_backward_weight(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None,
+                           tile: WgradTile | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """dW (Cout, Cin, 3, 3, 3) of conv3d(x, w, padding=1) for bf16 NDHWC dy and x, channels_last_3d,
+    in `dtype` (default dy's), or written into `out` (channels_last_3d)."""
+    tile = tile or DEFAULT_TILE
+    cout, cin = dy.shape[1], x.shape[1]
+    if out is None:
+        out = torch.empty((cout, cin, 3, 3, 3), device=dy.device, dtype=dtype or dy.dtype,
+                          memory_format=torch.channels_last_3d)
+    xv, gv = x.permute(0, 2, 3, 4, 1), dy.permute(0, 2, 3, 4, 1)
+    _, s, _, _ = plan(tuple(xv.shape), cout, tile, sm_count(dy.device))
+    partials = torch.empty((2 * s, cout * 27 * cin), device=dy.device, dtype=torch.float32)
+    grid, args, kwargs = kernel_arguments(xv, gv, partials, tile, sm_count(dy.device))
+    _conv3x3x3_wgrad_kernel[grid](*args, **kwargs)
+    return sum_splits(partials, out.permute(0, 2, 3, 4, 1).view(-1))
