@@ -75,6 +75,56 @@ def test_a_gluon_route_entry_is_ours_and_runs_triton_where_gluon_cannot(monkeypa
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
 
 
+def test_a_gluon_kernel_that_fails_falls_back_to_triton_once_and_the_census_says_so(monkeypatch):
+    """A Gluon kernel that raises (a compile error on the device, say) costs one warning per direction:
+    that call and every later one in that direction run the Triton launchers, with their bits, and the
+    Gluon kernel is not tried again; the census lists the failed directions."""
+    from scaffold.kernels.conv import gluon as G
+    from scaffold.kernels.conv import gluon_wgrad as GW
+    from scaffold.model import conv as C
+    from scaffold.model import ladder
+    from scaffold.model.policy import LadderWarning
+
+    tries = []
+
+    def broken(name):
+        def call(*a, **k):
+            tries.append(name)
+            raise RuntimeError(f"PTXASError: {name} failed\nsecond line")
+        return call
+
+    monkeypatch.setattr(C, "_GLUON_FAILED", {})
+    monkeypatch.setattr(G, "supported", lambda *a, **k: True)  # as on an sm_90 GPU
+    monkeypatch.setattr(GW, "supported", lambda *a, **k: True)
+    for mod, name in ((G, "conv3d_forward"), (G, "conv3d_backward_data"), (GW, "conv3d_backward_weight")):
+        monkeypatch.setattr(mod, name, broken(name))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 64, 4, 4, 4, generator=g).contiguous(memory_format=torch.channels_last_3d)
+    w = torch.randn(64, 64, 3, 3, 3, generator=g).mul_(0.05)
+    geom = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
+
+    def run(route):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = C.conv3d(xs, ws, None, *geom, route)
+        y.backward(torch.ones_like(y))
+        return y, xs.grad, ws.grad
+
+    with pytest.warns(LadderWarning, match="Gluon conv") as caught:
+        got = run((C.GLUON,) * 3)
+    assert len([w_ for w_ in caught if issubclass(w_.category, LadderWarning)]) == 3
+    assert sorted(tries) == ["conv3d_backward_data", "conv3d_backward_weight", "conv3d_forward"]
+    want = run(C.ALL_TRITON)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    again = run((C.GLUON,) * 3)  # not tried again, no new warning
+    assert len(tries) == 3 and all(torch.equal(a, b) for a, b in zip(again, want))
+    failures = ladder.census()["gluon_failures"]
+    assert failures == {"forward": "RuntimeError: PTXASError: conv3d_forward failed",
+                        "backward-data": "RuntimeError: PTXASError: conv3d_backward_data failed",
+                        "backward-weight": "RuntimeError: PTXASError: conv3d_backward_weight failed"}
+    text = ladder.format_census(ladder.census())
+    assert "gluon backward-weight failed, ran the Triton launchers: RuntimeError" in text
+
+
 def test_write_routes_rewrites_only_the_block(tmp_path):
     path = tmp_path / "routes.py"
     shutil.copy(routes.__file__, path)

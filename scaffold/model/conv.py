@@ -3,8 +3,8 @@
 A conv site has three directions per step: forward, backward-data and backward-weight. A route
 (three entries, from scaffold.model.policy) sends each to our Triton launchers (True;
 scaffold.kernels.conv), to our Gluon kernels for Hopper (GLUON, the three directions of 3×3×3 convs;
-scaffold.kernels.conv.gluon and .gluon_wgrad; where one cannot take a call, the Triton launcher does) or to ATen
-(False: cuDNN on CUDA, under the process's determinism flags); the `triton` rung is the route
+scaffold.kernels.conv.gluon and .gluon_wgrad; where one cannot take a call, or has failed, the Triton
+launcher does) or to ATen (False: cuDNN on CUDA, under the process's determinism flags); the `triton` rung is the route
 (True, True, True). The bias gradient is our split reduction (`bias_grad`) whatever the route: it
 reads dy once, faster than ATen's sum at every size the model has (H200: 0.85 against 0.89 ms at
 64@256³, 0.046 against 0.146 ms at 128@64³; docs/performance-log.md). Both sides are deterministic,
@@ -16,6 +16,8 @@ op runs with autocast off, returning the autocast dtype as the vendor op does. O
 channels_last_3d (NDHWC); gradients come back in each input's dtype.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -29,22 +31,52 @@ GLUON = "gluon"  # a route entry: our Gluon kernel (truthy: ours, not ATen)
 _NO_PAD, _NO_DIL = (0, 0, 0), (1, 1, 1)
 
 
+# Directions whose Gluon kernel failed (a compile error, or a kernel bug that raised), with the first
+# error in one line: that direction runs the Triton launchers from then on, in every site (the census
+# lists them: `gluon_failures`). Out-of-memory errors are not failures of the kernel and propagate.
+_GLUON_FAILED: dict[str, str] = {}
+
+
+def gluon_failures() -> dict[str, str]:
+    """{direction: first error} of the Gluon kernels that failed in this process."""
+    return dict(_GLUON_FAILED)
+
+
+def _gluon_or_triton(direction: str, gluon_call, triton_call):
+    if direction not in _GLUON_FAILED:
+        try:
+            return gluon_call()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the kernel: fall back, say so once
+            from scaffold.model.policy import LadderWarning
+
+            _GLUON_FAILED[direction] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            warnings.warn(f"Gluon conv {direction} failed, running the Triton launchers for it from now "
+                          f"on: {_GLUON_FAILED[direction]}", LadderWarning, stacklevel=2)
+    return triton_call()
+
+
 def _forward(x, w, bias, stride, padding, dilation, on):
+    triton = lambda: K.conv3d_forward(x, w, bias, stride, padding, dilation)  # noqa: E731
     if on == GLUON and G.supported(x, w, stride, padding, dilation):
-        return G.conv3d_forward(x, w, bias=bias)
-    return K.conv3d_forward(x, w, bias, stride, padding, dilation)
+        return _gluon_or_triton("forward", lambda: G.conv3d_forward(x, w, bias=bias), triton)
+    return triton()
 
 
 def _backward_data(dy, w, x_shape, stride, padding, dilation, on):
+    triton = lambda: K.conv3d_backward_data(dy, w, x_shape, stride, padding, dilation)  # noqa: E731
     if on == GLUON and G.supported(dy, w.transpose(0, 1), stride, padding, dilation):
-        return G.conv3d_backward_data(dy, w)
-    return K.conv3d_backward_data(dy, w, x_shape, stride, padding, dilation)
+        return _gluon_or_triton("backward-data", lambda: G.conv3d_backward_data(dy, w), triton)
+    return triton()
 
 
 def _backward_weight(dy, x, w, stride, padding, dilation, on):
+    triton = lambda: K.conv3d_backward_weight(dy, x, w.shape, w.dtype, stride, padding, dilation)  # noqa: E731
     if on == GLUON and GW.supported(dy, x, w.shape, stride, padding, dilation):
-        return GW.conv3d_backward_weight(dy, x, dtype=w.dtype)
-    return K.conv3d_backward_weight(dy, x, w.shape, w.dtype, stride, padding, dilation)
+        return _gluon_or_triton("backward-weight",
+                                lambda: GW.conv3d_backward_weight(dy, x, dtype=w.dtype), triton)
+    return triton()
 
 
 class _ConvFn(torch.autograd.Function):

@@ -9,6 +9,7 @@ dict. The census (`census`, `format_census`) says which rung every site ran and 
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Callable, Optional
 
@@ -343,8 +344,9 @@ def census(*modules: nn.Module) -> dict:
     A site that ran several rungs (different shapes, or before and after a fallback) is listed as
     'a+b' and counted under each; one that has not run yet is 'none'. Beside the rungs: the GroupNorm
     sites that ran fused with the 1x1x1 head (`fused_head`; a fused pair that failed and fell back to
-    the separate ops is a fallback named `<site> (group_norm + head)`), and the sites that run on a
-    spatially split volume (`sharded`: halo'd convolutions, slab GroupNorms)."""
+    the separate ops is a fallback named `<site> (group_norm + head)`), the sites that run on a
+    spatially split volume (`sharded`: halo'd convolutions, slab GroupNorms), and the conv directions
+    whose Gluon kernel failed in this process and ran on Triton since (`gluon_failures`)."""
     out: dict[str, Any] = {op: {} for op in OPS}
     sites: dict[str, str] = {}
     fallbacks: list[str] = []
@@ -375,6 +377,8 @@ def census(*modules: nn.Module) -> dict:
     out["fallback_errors"] = errors
     out["unsupported"] = unsupported  # sites a forced setting could not run (they ran vendor)
     out["modules"] = sites
+    conv = sys.modules.get("scaffold.model.conv")  # imported once a conv rung has run
+    out["gluon_failures"] = conv.gluon_failures() if conv is not None else {}
     return out
 
 
@@ -396,6 +400,8 @@ def format_census(c: dict) -> str:
         lines += [f"    {name}: {errors.get(name, '')}" for name in c["fallbacks"]]
     else:
         lines.append("  fallbacks: none")
+    for direction, error in (c.get("gluon_failures") or {}).items():
+        lines.append(f"  gluon {direction} failed, ran the Triton launchers: {error}")
     if c.get("unsupported"):
         lines.append(f"  not supported by the chosen setting, ran vendor: {len(c['unsupported'])} sites")
         lines += [f"    {name}: {why}" for name, why in c["unsupported"].items()]
