@@ -4,10 +4,10 @@
 
 TILE as scaffold.bench.gluon_conv takes it (e.g. 4x8x8x128:4:w1d:8), or w and a backward-weight tile
 (e.g. w4x4x8:4: scaffold.kernels.conv.gluon_wgrad); default: the default tiles of 64→64 and
-128→128, and the backward-weight kernel's. For each tile it binds the kernel's arguments as a launch would (the JIT's own
-binder against the CUDA backend of an sm_90 target, tensors as stand-ins: scaffold.kernels.conv.gluon
-.kernel_arguments), compiles through ptxas, and reports what answers most questions before any device
-time is spent: registers, spills, shared memory, the Hopper instructions present (HGMMA: the warpgroup
+128→128, and the backward-weight kernel's. For each tile it binds the kernel's arguments as a launch
+would (the JIT's own binder against the CUDA backend of an sm_90 target, tensors as stand-ins: the
+kernel modules' `kernel_arguments`), compiles through ptxas, and reports what answers most questions
+before any device time is spent: registers, spills, shared memory, the Hopper instructions present (HGMMA: the warpgroup
 MMA; UTMALDG: the copy engine's loads) and ptxas's notes on the MMAs, e.g. C7517 (a wgmma.wait_group
 injected because registers an in-flight MMA writes are read: the MMAs no longer overlap each other)
 and C7515 (wgmma serialized). Uses Triton internals that move between releases: where they are

@@ -4,8 +4,8 @@ A conv site has three directions per step: forward, backward-data and backward-w
 (three entries, from scaffold.model.policy) sends each to our Triton launchers (True;
 scaffold.kernels.conv), to our Gluon kernels for Hopper (GLUON, the three directions of 3×3×3 convs;
 scaffold.kernels.conv.gluon and .gluon_wgrad; where one cannot take a call, or has failed, the Triton
-launcher does) or to ATen (False: cuDNN on CUDA, under the process's determinism flags); the `triton` rung is the route
-(True, True, True). The bias gradient is our split reduction (`bias_grad`) whatever the route: it
+launcher does) or to ATen (False: cuDNN on CUDA, under the process's determinism flags); the `triton`
+rung is the route (True, True, True). The bias gradient is our split reduction (`bias_grad`) whatever the route: it
 reads dy once, faster than ATen's sum at every size the model has (H200: 0.85 against 0.89 ms at
 64@256³, 0.046 against 0.146 ms at 128@64³; docs/performance-log.md). Both sides are deterministic,
 so a mixed route gives bits that depend only on (device, dtype, shape).

@@ -6,8 +6,8 @@ that a missing or broken kernel module only makes the rung unavailable); `routed
 runs each direction (forward, backward-data, backward-weight) on Triton, on our Gluon kernel for Hopper
 or on deterministic cuDNN as a table of measured routes says (scaffold/model/routes.py); `gluon` (the
 convolutions, sm_90) runs forward and backward-data of the 3×3×3 convs it takes on the Gluon kernel
-(scaffold.kernels.conv.gluon) and their backward-weight on Triton (GLUON_ROUTE). More rungs can be registered (tests register
-fakes); a registered rung is a valid `ladder.<kind>` setting.
+(scaffold.kernels.conv.gluon) and their backward-weight on Triton (GLUON_ROUTE). More rungs can be
+registered (tests register fakes); a registered rung is a valid `ladder.<kind>` setting.
 
 The choice is a pure function of (setting, device, the call's metadata): never of a timing race, so
 the bits a run produces do not depend on it. Settings:
