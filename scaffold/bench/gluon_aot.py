@@ -59,6 +59,8 @@ def _stand_ins(tile, n: int, cin: int, cout: int, size: tuple):
     import torch
     from triton.runtime.jit import MockTensor
 
+    from scaffold.bench.gluon_conv import is_wgrad
+
     class Strided(MockTensor):  # MockTensor's own strides are not the contiguous ones
         def __init__(self, dtype, shape, strides=None):
             super().__init__(dtype, shape)
@@ -73,7 +75,7 @@ def _stand_ins(tile, n: int, cin: int, cout: int, size: tuple):
 
     d, h, w = size
     xv = Strided(torch.bfloat16, [n, d, h, w, cin])
-    if not hasattr(tile, "halo"):  # backward-weight: x, dy and the partials
+    if is_wgrad(tile):  # backward-weight: x, dy and the partials
         from scaffold.kernels.conv import gluon_wgrad as GW
         _, s, _, _ = GW.plan((n, d, h, w, cin), cout, tile, 132)
         return (xv, Strided(torch.bfloat16, [n, d, h, w, cout]),
@@ -92,11 +94,12 @@ def compile_tile(tile, cin: int = 128, cout: int = 128, size: tuple = (64, 64, 6
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import create_function_from_signature
 
+    from scaffold.bench.gluon_conv import is_wgrad
     from scaffold.kernels.conv import gluon as G
     from scaffold.kernels.conv import gluon_wgrad as GW
     from scaffold.kernels.lib.launch import unwrap
 
-    if isinstance(tile, GW.WgradTile):
+    if is_wgrad(tile):
         fn = unwrap(GW._conv3x3x3_wgrad_kernel)
         _, args, kwargs = GW.kernel_arguments(*_stand_ins(tile, n, cin, cout, size), tile)
     else:

@@ -69,8 +69,15 @@ def parse_wgrad_tile(text: str):
         raise SystemExit(f"--wtiles: {text!r}: expected BDxBHxBW:stages[:s], e.g. 4x4x8:4 ({e})") from None
 
 
+def is_wgrad(tile) -> bool:
+    """Whether `tile` is the backward-weight kernel's (a WgradTile), not the forward's."""
+    from scaffold.kernels.conv.gluon_wgrad import WgradTile
+
+    return isinstance(tile, WgradTile)
+
+
 def tile_name(t) -> str:
-    if not hasattr(t, "halo"):  # a WgradTile
+    if is_wgrad(t):
         return f"w{t.bd}x{t.bh}x{t.bw}:{t.stages}{':s' if t.split_planes else ''}"
     mode = ("x" if t.ws else "h") if t.halo else (f"{'w' if t.ws else 'p'}{t.per_sm}" if t.persistent else "q")
     return f"{t.bd}x{t.bh}x{t.bw}x{t.bn}:{t.stages}:{mode}{'d' if t.direct else ''}:{t.warps}:{t.bk}"
@@ -104,7 +111,7 @@ def tiles_for(tiles, direction: str) -> list:
     are of its kernel (WgradTile for backward-weight, GluonTile for the others)."""
     if callable(tiles):
         return list(tiles(direction))
-    return [t for t in tiles if hasattr(t, "halo") != (direction == "bwd_weight")]
+    return [t for t in tiles if is_wgrad(t) == (direction == "bwd_weight")]
 
 
 def _rel(out, ref) -> float:

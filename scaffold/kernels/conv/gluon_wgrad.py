@@ -115,15 +115,6 @@ if gluon is not None:
     warpgroup_mma, warpgroup_mma_wait = G.warpgroup_mma, G.warpgroup_mma_wait
 
     @gluon.jit
-    def _box_origin(box, tiles_w, tiles_h, tiles_d, BD: gl.constexpr, BH: gl.constexpr,
-                    BW: gl.constexpr):
-        tw = box % tiles_w
-        th = (box // tiles_w) % tiles_h
-        td = (box // (tiles_w * tiles_h)) % tiles_d
-        n = box // (tiles_w * tiles_h * tiles_d)
-        return n, td * BD, th * BH, tw * BW
-
-    @gluon.jit
     def _wgrad_loader(x_desc, xh_desc, g_desc, x_lo, x_hi, g_buf, ready, empty, kh, kw, ci0, co0, start,
                       count, tiles_w, tiles_h, tiles_d, BD: gl.constexpr, BH: gl.constexpr,
                       BW: gl.constexpr, BCI: gl.constexpr, BCO: gl.constexpr, STAGES: gl.constexpr,
@@ -132,7 +123,7 @@ if gluon is not None:
         for i in range(count):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first use passes at once
-            n, d0, h0, w0 = _box_origin(start + i, tiles_w, tiles_h, tiles_d, BD, BH, BW)
+            n, d0, h0, w0, _ = G._tile_origin(start + i, 1, tiles_w, tiles_h, tiles_d, BD, BH, BW, BCO)
             bar = ready.index(s)
             mbarrier.expect(bar, ((BD + 2) * BCI + BD * BCO) * PLANE * 2)
             if PUBLIC_REINTERPRET:
@@ -253,14 +244,10 @@ def plan(shape_x, cout: int, tile: WgradTile, sms: int) -> tuple[int, int, int, 
     n, d, h, w, cin = shape_x
     boxes = n * cdiv(d, tile.bd) * cdiv(h, tile.bh) * cdiv(w, tile.bw)
     tiles = 9 * cdiv(cin, tile.bci) * cdiv(cout, tile.bco)
-    s, per = _split(sms, tiles, boxes, 2 * cout * cin * 27, tile)
+    # fp32 partials: two slots (one per MMA warpgroup) a chunk; 2 boxes at least a chunk
+    s, per = _wave_split_plan(sms * tile.per_sm, tiles, boxes, 2 * cout * cin * 27,
+                              float(tile.step_flops()), 2, 1 << 30)
     return tiles * s, s, per, boxes
-
-
-def _split(sms, tiles, boxes, partial_elems, tile):
-    # 2 boxes at least a chunk: one for each MMA warpgroup
-    return _wave_split_plan(sms * tile.per_sm, tiles, boxes, partial_elems, float(tile.step_flops()), 2,
-                            1 << 30)
 
 
 def kernel_arguments(xv, gv, partials, tile: WgradTile, sms: int = 132) -> tuple:
