@@ -81,30 +81,37 @@ def test_wgrad_tile_rules_and_its_chunks_cover_every_box_once():
         with pytest.raises(ValueError, match="even ring"):
             GW.WgradTile(stages=stages)
     GW.WgradTile(stages=2, split_planes=True)  # each warpgroup reads every box: any ring
+    assert GW.WgradTile(bco=128, stages=3).mode == "cout"  # so does each with its 64 output channels
     with pytest.raises(ValueError, match="even bd"):
         GW.WgradTile(3, 4, 8, split_planes=True)
+    with pytest.raises(ValueError, match="bco 64"):
+        GW.WgradTile(bco=128, split_planes=True)
+    with pytest.raises(ValueError, match="64 MMA rows"):
+        GW.WgradTile(bco=192)
     with pytest.raises(ValueError, match="multiple of 16"):
         GW.WgradTile(4, 2, 4)
     t = GW.WgradTile(4, 4, 8, stages=4)  # x: 6 planes of 32 voxels x 64 channels, dy: 4 planes
     assert t.smem_bytes() == 4 * 32 * (6 * 64 + 4 * 64) * 2 and t.per_sm == 1
     assert GW.WgradTile(8, 4, 4, stages=3, split_planes=True).per_sm == 2
+    wide = GW.WgradTile(4, 4, 8, bco=128, stages=4)  # one x box for two 64-channel dy boxes
+    assert wide.smem_bytes() == 4 * 32 * (6 * 64 + 4 * 128) * 2 and wide.slots_per_chunk == 1
     for shape, cout in [((1, 128, 128, 128, 64), 64), ((2, 5, 6, 7, 128), 64), ((1, 8, 8, 8, 1024), 1024)]:
-        for tile in (t, GW.WgradTile(8, 4, 4, stages=3, split_planes=True)):
+        for tile in (t, GW.WgradTile(8, 4, 4, stages=3, split_planes=True), wide):
             programs, s, per, boxes = GW.plan(shape, cout, tile, 132)
             n, d, h, w, cin = shape
             assert boxes == n * -(-d // tile.bd) * -(-h // tile.bh) * -(-w // tile.bw)
-            assert programs == 9 * (cin // 64) * (cout // 64) * s
+            assert programs == 9 * (cin // 64) * -(-cout // tile.bco) * s
             assert (s - 1) * per < boxes <= s * per  # every box in one chunk, no chunk empty
 
 
 WGRAD_TILES = [GW.WgradTile(4, 4, 8, stages=4), GW.WgradTile(2, 8, 8, stages=4),
                GW.WgradTile(4, 4, 8, stages=4, split_planes=True),
-               GW.WgradTile(4, 4, 8, stages=3, split_planes=True)]
+               GW.WgradTile(4, 4, 8, stages=3, split_planes=True), GW.WgradTile(4, 4, 8, bco=128, stages=3)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", WGRAD_TILES,
-                         ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}:{t.stages}{':s' if t.split_planes else ''}")
+                         ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}:{t.stages}:{t.mode}")
 @pytest.mark.parametrize("shape", SHAPES + [(1, 64, 64, (33, 40, 48))],
                          ids=lambda s: "x".join(map(str, (s[1], s[2], *s[3]))))
 def test_wgrad_matches_cudnn_fp32(tile, shape):
@@ -176,7 +183,7 @@ def test_the_gluon_route_runs_gluon_with_the_bias_and_its_gradients_are_right(mo
 
 
 @pytest.mark.parametrize("spec", ["4x8x8x64:4:w1:8", "2x8x8x128:4:p1:8", "4x8x8x128:4:w1d:8",
-                                  "4x8x8x64:3:xd:4", "w4x4x8:4"])
+                                  "4x8x8x64:3:xd:4", "w4x4x8:4", "w4x4x8:3:c"])
 def test_compiles_for_sm90_with_overlapping_mmas_and_no_spills(spec, tmp_path):
     """Compiled ahead of time for sm_90 (no GPU needed; in a process of its own, away from the Triton
     interpreter the other tests run in): warpgroup MMAs and copy-engine loads in the SASS, no spills,

@@ -3,7 +3,7 @@
     python -m scaffold.bench.gluon_aot [TILE ...] [--cin 128] [--cout 128] [--size 64] [--dump DIR]
 
 TILE as scaffold.bench.gluon_conv takes it (e.g. 4x8x8x128:4:w1d:8), or w and a backward-weight tile
-(e.g. w4x4x8:4: scaffold.kernels.conv.gluon_wgrad); default: the default tiles of 64→64 and
+(e.g. w4x4x8:4 or w4x4x8:3:c: scaffold.kernels.conv.gluon_wgrad); default: the default tiles of 64→64 and
 128→128, and the backward-weight kernel's. For each tile it binds the kernel's arguments as a launch
 would (the JIT's own binder against the CUDA backend of an sm_90 target, tensors as stand-ins: the
 kernel modules' `kernel_arguments`), compiles through ptxas, and reports what answers most questions

@@ -55,18 +55,20 @@ def parse_tile(text: str):
 
 
 def parse_wgrad_tile(text: str):
-    """'BDxBHxBW:stages[:s]' -> WgradTile (the backward-weight kernel's box and ring depth; a trailing
-    :s splits every box's planes between the two MMA warpgroups instead of alternating boxes)."""
+    """'BDxBHxBW:stages[:s|:c]' -> WgradTile (the backward-weight kernel's box and ring depth; a
+    trailing :s splits every box's planes between the two MMA warpgroups instead of alternating
+    boxes, :c gives each warpgroup 64 of a program's 128 output channels)."""
     from scaffold.kernels.conv.gluon_wgrad import WgradTile
 
     try:
         box, stages, *mode = text.split(":")
-        if mode not in ([], ["s"]):
+        if mode not in ([], ["s"], ["c"]):
             raise ValueError(f"mode {mode}")
         bd, bh, bw = (int(v) for v in box.split("x"))
-        return WgradTile(bd, bh, bw, stages=int(stages), split_planes=bool(mode))
+        return WgradTile(bd, bh, bw, bco=128 if mode == ["c"] else 64, stages=int(stages),
+                         split_planes=mode == ["s"])
     except ValueError as e:
-        raise SystemExit(f"--wtiles: {text!r}: expected BDxBHxBW:stages[:s], e.g. 4x4x8:4 ({e})") from None
+        raise SystemExit(f"--wtiles: {text!r}: expected BDxBHxBW:stages[:s|:c], e.g. 4x4x8:4 ({e})") from None
 
 
 def is_wgrad(tile) -> bool:
@@ -78,7 +80,7 @@ def is_wgrad(tile) -> bool:
 
 def tile_name(t) -> str:
     if is_wgrad(t):
-        return f"w{t.bd}x{t.bh}x{t.bw}:{t.stages}{':s' if t.split_planes else ''}"
+        return f"w{t.bd}x{t.bh}x{t.bw}:{t.stages}" + {"alternate": "", "planes": ":s", "cout": ":c"}[t.mode]
     mode = ("x" if t.ws else "h") if t.halo else (f"{'w' if t.ws else 'p'}{t.per_sm}" if t.persistent else "q")
     return f"{t.bd}x{t.bh}x{t.bw}x{t.bn}:{t.stages}:{mode}{'d' if t.direct else ''}:{t.warps}:{t.bk}"
 
@@ -270,7 +272,7 @@ def main(argv=None) -> int:
                    "sites the kernel takes)")
     p.add_argument("--tiles", default="", help="comma-separated BDxBHxBWxBN:stages:h|q|pK|wK|x[d]:warps[:bk] "
                    "(default: each site's default tile)")
-    p.add_argument("--wtiles", default="", help="backward-weight tiles, comma-separated BDxBHxBW:stages "
+    p.add_argument("--wtiles", default="", help="backward-weight tiles, comma-separated BDxBHxBW:stages[:s|:c] "
                    "(default: its kernel's default tile)")
     p.add_argument("--directions", default="fwd,bwd_data,bwd_weight")
     p.add_argument("--timer", default="device", choices=("wall", "device"))

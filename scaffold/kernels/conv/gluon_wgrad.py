@@ -9,12 +9,19 @@ copies dy's box (BD planes, `co` block) and x's box shifted by (kh − 1, kw −
 (BD + 2 planes, `ci` block; two copies, BD then 2 planes: shapes are powers of two); out-of-volume
 coordinates read as zero, which is both the padding and the ragged last boxes. Output plane p at
 tap kd is the MMA of dy's plane p, transposed in shared memory (the MMA reads it MN-major), with x's
-plane p + kd: 3·BD MMAs per box, each input plane read once for three taps. Two MMA warpgroups take
-alternate boxes of the chunk, each with its own three accumulators.
+plane p + kd: 3·BD MMAs per box, each input plane read once for three taps. Two MMA warpgroups, each
+with its own three accumulators, share the boxes one of three ways (the tile's `mode`):
+
+  alternate  64 output channels a program; the warpgroups take alternate boxes of the chunk
+  planes     64 output channels; each warpgroup takes half the planes of every box
+  cout       128 output channels a program (dy copied as two 64-channel boxes); each warpgroup takes
+             every plane of every box for its 64 channels, so x's box serves 128 channels: half the
+             bytes per FLOP of the 64-channel modes at sites of 128 output channels and more
 
 Determinism: every program and warpgroup writes its fp32 partial to a slot of its own (chunk c,
-warpgroup j: slot 2c + j) and `sum_splits` adds the slots in index order. No atomics: the bits
-depend only on the shape and the device's multiprocessor count (which sets the chunks).
+warpgroup j: slot 2c + j; `cout`: slot c, each warpgroup its own rows) and `sum_splits` adds the slots
+in index order. No atomics: the bits depend only on the shape and the device's multiprocessor count
+(which sets the chunks).
 """
 from __future__ import annotations
 
@@ -53,17 +60,28 @@ class WgradTile:
     split_planes: bool = False  # the two MMA warpgroups take half the planes of every box, not alternate boxes
 
     def __post_init__(self):
-        if self.split_planes and self.bd % 2:
-            raise ValueError(f"WgradTile: split_planes needs an even bd, got {self.bd}")
-        if not self.split_planes and (self.stages < 3 or self.stages % 2):
+        if self.bco not in (64, 128):
+            raise ValueError(f"WgradTile: bco is one or two warpgroups' 64 MMA rows, got {self.bco}")
+        if self.split_planes and (self.bd % 2 or self.bco != 64):
+            raise ValueError(f"WgradTile: split_planes needs an even bd and bco 64, got {self.bd}, {self.bco}")
+        if self.mode == "alternate" and (self.stages < 3 or self.stages % 2):
             # a warpgroup frees a box's stage two boxes later (two stages deadlock), and with an odd
             # ring it would wait on a stage two phases ahead (a parity wait cannot tell those apart)
             raise ValueError(f"WgradTile: alternate boxes need an even ring of 4 or more, got {self.stages}")
-        if self.bco != 64:
-            raise ValueError(f"WgradTile: bco is one warpgroup's 64 MMA rows, got {self.bco}")
         if (self.bh * self.bw) % 16 or self.bci % 64:
             raise ValueError(f"WgradTile: a plane of {self.bh}x{self.bw} voxels (the MMA's K) must be "
                              f"a multiple of 16 and bci a multiple of 64")
+
+    @property
+    def mode(self) -> str:
+        """How the two MMA warpgroups share the work (see the module doc)."""
+        return "cout" if self.bco == 128 else "planes" if self.split_planes else "alternate"
+
+    @property
+    def slots_per_chunk(self) -> int:
+        """fp32 partial slots a chunk of boxes writes: one per warpgroup, or one (`cout`: each
+        warpgroup its own output channels)."""
+        return 1 if self.mode == "cout" else 2
 
     @property
     def plane(self) -> int:
@@ -120,6 +138,7 @@ if gluon is not None:
                       BW: gl.constexpr, BCI: gl.constexpr, BCO: gl.constexpr, STAGES: gl.constexpr,
                       PUBLIC_REINTERPRET: gl.constexpr):
         PLANE: gl.constexpr = BH * BW
+        GS: gl.constexpr = BCO // 64  # dy's 64-channel boxes a stage holds
         for i in range(count):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first use passes at once
@@ -129,14 +148,17 @@ if gluon is not None:
             if PUBLIC_REINTERPRET:
                 lo = x_lo.index(s).reinterpret(gl.bfloat16, [1, BD, BH, BW, BCI], x_desc.layout)
                 hi = x_hi.index(s).reinterpret(gl.bfloat16, [1, 2, BH, BW, BCI], xh_desc.layout)
-                gb = g_buf.index(s).reinterpret(gl.bfloat16, [1, BD, BH, BW, BCO], g_desc.layout)
             else:
                 lo = x_lo.index(s)._reinterpret(gl.bfloat16, [1, BD, BH, BW, BCI], x_desc.layout)
                 hi = x_hi.index(s)._reinterpret(gl.bfloat16, [1, 2, BH, BW, BCI], xh_desc.layout)
-                gb = g_buf.index(s)._reinterpret(gl.bfloat16, [1, BD, BH, BW, BCO], g_desc.layout)
             G._tma_load(x_desc, [n, d0 - 1, h0 - 1 + kh, w0 - 1 + kw, ci0], bar, lo)
             G._tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, ci0], bar, hi)
-            G._tma_load(g_desc, [n, d0, h0, w0, co0], bar, gb)
+            for c in gl.static_range(GS):
+                if PUBLIC_REINTERPRET:
+                    gb = g_buf.index(s * GS + c).reinterpret(gl.bfloat16, [1, BD, BH, BW, 64], g_desc.layout)
+                else:
+                    gb = g_buf.index(s * GS + c)._reinterpret(gl.bfloat16, [1, BD, BH, BW, 64], g_desc.layout)
+                G._tma_load(g_desc, [n, d0, h0, w0, co0 + 64 * c], bar, gb)
 
     @gluon.jit
     def _wgrad_store(acc, p_ptr, slot, tap, co0, ci0, Cout, Cin, BCO: gl.constexpr, BCI: gl.constexpr,
@@ -152,24 +174,28 @@ if gluon is not None:
         gl.store(p_ptr + off, acc, mask=mask)
 
     @gluon.jit
-    def _wgrad_mma(x_lo, x_hi, g_buf, ready, empty, p_ptr, slot, tap, co0, ci0, Cout, Cin, count,
+    def _wgrad_mma(x_lo, x_hi, g_buf, ready, empty, p_ptr, split, tap, co0, ci0, Cout, Cin, count,
                    J: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr,
-                   BCI: gl.constexpr, BCO: gl.constexpr, STAGES: gl.constexpr,
-                   MMA_LAYOUT: gl.constexpr, SPLIT_PLANES: gl.constexpr):
-        """Warpgroup J's share, three accumulators (kd = 0, 1, 2): boxes J, J + 2, J + 4, ... of the
-        chunk, or (SPLIT_PLANES) half the planes of every box."""
+                   BCI: gl.constexpr, STAGES: gl.constexpr, MMA_LAYOUT: gl.constexpr,
+                   MODE: gl.constexpr):
+        """Warpgroup J's share, three accumulators (kd = 0, 1, 2) of 64 output channels: MODE 0 boxes
+        J, J + 2, J + 4, ... of the chunk; 1 half the planes of every box; 2 every plane of every box,
+        output channels 64·J on."""
         PLANE: gl.constexpr = BH * BW
-        NP: gl.constexpr = BD // 2 if SPLIT_PLANES else BD  # planes of a box this warpgroup takes
-        P0: gl.constexpr = J * NP if SPLIT_PLANES else 0
-        LAG: gl.constexpr = 1 if SPLIT_PLANES else 2  # this warpgroup's previous box: i - LAG
-        acc0 = gl.zeros([BCO, BCI], gl.float32, layout=MMA_LAYOUT)
-        acc1 = gl.zeros([BCO, BCI], gl.float32, layout=MMA_LAYOUT)
-        acc2 = gl.zeros([BCO, BCI], gl.float32, layout=MMA_LAYOUT)
-        for i in range(0 if SPLIT_PLANES else J, count, 1 if SPLIT_PLANES else 2):
+        GS: gl.constexpr = 2 if MODE == 2 else 1
+        NP: gl.constexpr = BD // 2 if MODE == 1 else BD  # planes of a box this warpgroup takes
+        P0: gl.constexpr = J * NP if MODE == 1 else 0
+        LAG: gl.constexpr = 2 if MODE == 0 else 1  # this warpgroup's previous box: i - LAG
+        G_IDX: gl.constexpr = J if MODE == 2 else 0
+        acc0 = gl.zeros([64, BCI], gl.float32, layout=MMA_LAYOUT)
+        acc1 = gl.zeros([64, BCI], gl.float32, layout=MMA_LAYOUT)
+        acc2 = gl.zeros([64, BCI], gl.float32, layout=MMA_LAYOUT)
+        for i in range(J if MODE == 0 else 0, count, LAG):
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            g = g_buf.index(s * GS + G_IDX)
             for p in gl.static_range(P0, P0 + NP):
-                a = g_buf.index(s).slice(p * PLANE, PLANE, dim=0).permute((1, 0))  # [BCO, PLANE]
+                a = g.slice(p * PLANE, PLANE, dim=0).permute((1, 0))  # [64, PLANE]
                 acc0 = warpgroup_mma(a, G._plane(x_lo, x_hi, s, p, BD, PLANE), acc0, is_async=True)
                 acc1 = warpgroup_mma(a, G._plane(x_lo, x_hi, s, p + 1, BD, PLANE), acc1, is_async=True)
                 acc2 = warpgroup_mma(a, G._plane(x_lo, x_hi, s, p + 2, BD, PLANE), acc2, is_async=True)
@@ -179,9 +205,11 @@ if gluon is not None:
             if i >= LAG:
                 mbarrier.arrive(empty.index((i - LAG) % STAGES), count=1)
         acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2))
-        _wgrad_store(acc0, p_ptr, slot, tap, co0, ci0, Cout, Cin, BCO, BCI, MMA_LAYOUT)
-        _wgrad_store(acc1, p_ptr, slot, tap + 9, co0, ci0, Cout, Cin, BCO, BCI, MMA_LAYOUT)
-        _wgrad_store(acc2, p_ptr, slot, tap + 18, co0, ci0, Cout, Cin, BCO, BCI, MMA_LAYOUT)
+        slot = split if MODE == 2 else 2 * split + J
+        c0 = co0 + 64 * J if MODE == 2 else co0
+        _wgrad_store(acc0, p_ptr, slot, tap, c0, ci0, Cout, Cin, 64, BCI, MMA_LAYOUT)
+        _wgrad_store(acc1, p_ptr, slot, tap + 9, c0, ci0, Cout, Cin, 64, BCI, MMA_LAYOUT)
+        _wgrad_store(acc2, p_ptr, slot, tap + 18, c0, ci0, Cout, Cin, 64, BCI, MMA_LAYOUT)
 
     @launched
     @gluon.jit
@@ -190,7 +218,7 @@ if gluon is not None:
                                 BH: gl.constexpr, BW: gl.constexpr, BCI: gl.constexpr,
                                 BCO: gl.constexpr, STAGES: gl.constexpr, X_LAYOUT: gl.constexpr,
                                 G_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
-                                PUBLIC_REINTERPRET: gl.constexpr, SPLIT_PLANES: gl.constexpr):
+                                PUBLIC_REINTERPRET: gl.constexpr, MODE: gl.constexpr):
         PLANE: gl.constexpr = BH * BW
         # Program order: (kh, kw) fastest, then the channel blocks, then the chunk, so the programs
         # that run together read the same boxes (from L2).
@@ -205,18 +233,18 @@ if gluon is not None:
         count = gl.minimum(per_split, num_boxes - start)
         x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BD * PLANE, BCI], X_LAYOUT)
         x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * PLANE, BCI], X_LAYOUT)
-        g_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BD * PLANE, BCO], G_LAYOUT)
+        g_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BCO // 64), BD * PLANE, 64], G_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2 if SPLIT_PLANES else 1)  # the warpgroups that read it
+            mbarrier.init(empty.index(i), count=1 if MODE == 0 else 2)  # the warpgroups that read it
         fence_async_shared()
         gl.warp_specialize([
-            (_wgrad_mma, (x_lo, x_hi, g_buf, ready, empty, p_ptr, 2 * split, t, co0, ci0, Cout, Cin,
-                          count, 0, BD, BH, BW, BCI, BCO, STAGES, MMA_LAYOUT, SPLIT_PLANES)),
-            (_wgrad_mma, (x_lo, x_hi, g_buf, ready, empty, p_ptr, 2 * split + 1, t, co0, ci0, Cout,
-                          Cin, count, 1, BD, BH, BW, BCI, BCO, STAGES, MMA_LAYOUT, SPLIT_PLANES)),
+            (_wgrad_mma, (x_lo, x_hi, g_buf, ready, empty, p_ptr, split, t, co0, ci0, Cout, Cin, count,
+                          0, BD, BH, BW, BCI, STAGES, MMA_LAYOUT, MODE)),
+            (_wgrad_mma, (x_lo, x_hi, g_buf, ready, empty, p_ptr, split, t, co0, ci0, Cout, Cin, count,
+                          1, BD, BH, BW, BCI, STAGES, MMA_LAYOUT, MODE)),
             (_wgrad_loader, (x_desc, xh_desc, g_desc, x_lo, x_hi, g_buf, ready, empty, t // 3, t % 3,
                              ci0, co0, start, count, tiles_w, tiles_h, tiles_d, BD, BH, BW, BCI, BCO,
                              STAGES, PUBLIC_REINTERPRET)),
@@ -226,17 +254,20 @@ if gluon is not None:
             mbarrier.invalidate(empty.index(i))
 
 
+MODES = {"alternate": 0, "planes": 1, "cout": 2}
+
+
 @functools.lru_cache(maxsize=None)
 def _layouts(tile: WgradTile):
     """(x ring layout, dy ring layout, MMA layout, x box, x halo box, dy box descriptor layouts)."""
     rows = tile.bd * tile.plane
     xl2 = gl.NVMMASharedLayout.get_default_for([rows, tile.bci], gl.bfloat16)
-    gl2 = gl.NVMMASharedLayout.get_default_for([rows, tile.bco], gl.bfloat16)
+    gl2 = gl.NVMMASharedLayout.get_default_for([rows, 64], gl.bfloat16)
     mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                     instr_shape=[16, tile.bci, 16])
     box = lambda planes, c: gl.NVMMASharedLayout.get_default_for(  # noqa: E731
         [1, planes, tile.bh, tile.bw, c], gl.bfloat16)
-    return xl2, gl2, mma, box(tile.bd, tile.bci), box(2, tile.bci), box(tile.bd, tile.bco)
+    return xl2, gl2, mma, box(tile.bd, tile.bci), box(2, tile.bci), box(tile.bd, 64)
 
 
 def plan(shape_x, cout: int, tile: WgradTile, sms: int) -> tuple[int, int, int, int]:
@@ -244,15 +275,15 @@ def plan(shape_x, cout: int, tile: WgradTile, sms: int) -> tuple[int, int, int, 
     n, d, h, w, cin = shape_x
     boxes = n * cdiv(d, tile.bd) * cdiv(h, tile.bh) * cdiv(w, tile.bw)
     tiles = 9 * cdiv(cin, tile.bci) * cdiv(cout, tile.bco)
-    # fp32 partials: two slots (one per MMA warpgroup) a chunk; 2 boxes at least a chunk
-    s, per = _wave_split_plan(sms * tile.per_sm, tiles, boxes, 2 * cout * cin * 27,
+    # fp32 partials: tile.slots_per_chunk slots a chunk; 2 boxes at least a chunk
+    s, per = _wave_split_plan(sms * tile.per_sm, tiles, boxes, tile.slots_per_chunk * cout * cin * 27,
                               float(tile.step_flops()), 2, 1 << 30)
     return tiles * s, s, per, boxes
 
 
 def kernel_arguments(xv, gv, partials, tile: WgradTile, sms: int = 132) -> tuple:
     """(grid, positional arguments, keyword arguments) of one launch. xv, gv: x and dy as [N, D, H, W,
-    C] views; partials: fp32 [2·splits, Cout·27·Cin]. Tensors need only shape, stride, dtype and
+    C] views; partials: fp32 [slots_per_chunk·splits, Cout·27·Cin]. Tensors need only shape, stride, dtype and
     data_ptr (an ahead-of-time compile passes stand-ins)."""
     n, d, h, w, cin = xv.shape
     cout = gv.shape[4]
@@ -263,11 +294,11 @@ def kernel_arguments(xv, gv, partials, tile: WgradTile, sms: int = 132) -> tuple
     xh_desc = G.TensorDescriptor(xv, list(xv.shape), list(xv.stride()), [1, 2, tile.bh, tile.bw, tile.bci],
                                  xhl)
     g_desc = G.TensorDescriptor(gv, list(gv.shape), list(gv.stride()),
-                                [1, tile.bd, tile.bh, tile.bw, tile.bco], gdl)
+                                [1, tile.bd, tile.bh, tile.bw, 64], gdl)
     args = (x_desc, xh_desc, g_desc, partials, cin, cout, cdiv(d, tile.bd), cdiv(h, tile.bh),
             cdiv(w, tile.bw), boxes, per, cdiv(cin, tile.bci), cdiv(cout, tile.bco),
             tile.bd, tile.bh, tile.bw, tile.bci, tile.bco, tile.stages, xl2, gl2, mma,
-            G._public_reinterpret(), tile.split_planes)
+            G._public_reinterpret(), MODES[tile.mode])
     return (programs,), args, {"num_warps": 4}
 
 
@@ -282,7 +313,7 @@ def conv3d_backward_weight(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor 
                           memory_format=torch.channels_last_3d)
     xv, gv = x.permute(0, 2, 3, 4, 1), dy.permute(0, 2, 3, 4, 1)
     _, s, _, _ = plan(tuple(xv.shape), cout, tile, sm_count(dy.device))
-    partials = torch.empty((2 * s, cout * 27 * cin), device=dy.device, dtype=torch.float32)
+    partials = torch.empty((tile.slots_per_chunk * s, cout * 27 * cin), device=dy.device, dtype=torch.float32)
     grid, args, kwargs = kernel_arguments(xv, gv, partials, tile, sm_count(dy.device))
     _conv3x3x3_wgrad_kernel[grid](*args, **kwargs)
     return sum_splits(partials, out.permute(0, 2, 3, 4, 1).view(-1))
