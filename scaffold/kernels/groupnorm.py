@@ -404,8 +404,7 @@ def statistics(x: torch.Tensor, strides: tuple, plan: Plan, G: int, eps: float,
     N, C = x.shape[:2]
     S = x[0, 0].numel()
     f32 = dict(dtype=torch.float32, device=x.device)
-    pmean = torch.empty((N, plan.splits, C), **f32)
-    pm2 = torch.empty((N, plan.splits, C), **f32)
+    pmean, pm2 = torch.empty((2, N, plan.splits, C), **f32).unbind(0)  # one allocation: host time
     mean = torch.empty((N, G), **f32)
     rstd = torch.empty((N, G), **f32)
     _gn_fwd_partials_kernel[(N, plan.splits)](
@@ -428,11 +427,9 @@ def merge_grad_sums(pg: torch.Tensor, pgx: torch.Tensor, weight: Optional[torch.
     number of splits: a split volume's ranks' joined, with S their voxels together): the per-(sample,
     group) constants of dx and the parameters' gradients, in fixed-order sums."""
     N, splits, C = pg.shape
-    f32 = dict(dtype=torch.float32, device=pg.device)
-    sg = torch.empty((N, C), **f32)
-    sgx = torch.empty((N, C), **f32)
-    c1 = torch.empty((N, G), **f32)
-    c2 = torch.empty((N, G), **f32)
+    sums = torch.empty((2 * N * (C + G),), dtype=torch.float32, device=pg.device)  # one allocation
+    sg, sgx = sums[:2 * N * C].view(2, N, C).unbind(0)
+    c1, c2 = sums[2 * N * C:].view(2, N, G).unbind(0)
     pdtype = weight.dtype if weight is not None else torch.float32
     dw = torch.empty((C,), dtype=pdtype, device=pg.device)
     db = torch.empty((C,), dtype=bias.dtype if bias is not None else pdtype, device=pg.device)
@@ -484,8 +481,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
     plan = plan_for(N, C, S, G, x.device, x.dtype, tile)
     dx = empty_like_layout(x, x.dtype) if out is None else out
     o_sn, o_ss, o_sc = nsc_strides(dx)
-    pg = torch.empty((N, plan.splits, C), dtype=torch.float32, device=x.device)
-    pgx = torch.empty_like(pg)
+    pg, pgx = torch.empty((2, N, plan.splits, C), dtype=torch.float32, device=x.device).unbind(0)
     w = weight if weight is not None else mean
     b = bias if bias is not None else mean
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, RELU=bool(relu))
