@@ -199,11 +199,13 @@ if gluon is not None:
                 acc0 = warpgroup_mma(a, G._plane(x_lo, x_hi, s, p, BD, PLANE), acc0, is_async=True)
                 acc1 = warpgroup_mma(a, G._plane(x_lo, x_hi, s, p + 1, BD, PLANE), acc1, is_async=True)
                 acc2 = warpgroup_mma(a, G._plane(x_lo, x_hi, s, p + 2, BD, PLANE), acc2, is_async=True)
-            # This box's MMAs may run on; this warpgroup's previous box's have retired: its stage
-            # goes back to the loader.
-            acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=3 * NP, deps=(acc0, acc1, acc2))
-            if i >= LAG:
-                mbarrier.arrive(empty.index((i - LAG) % STAGES), count=1)
+                # This plane's three MMAs may run on; the previous plane's have retired. At most two
+                # planes' six MMA groups are ever in flight: a wait counts 7 groups at most (the
+                # instruction's field), and 12 in flight gave nondeterministic sums.
+                acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=3, deps=(acc0, acc1, acc2))
+                if p == P0:  # so has this warpgroup's previous box: its stage goes back to the loader
+                    if i >= LAG:
+                        mbarrier.arrive(empty.index((i - LAG) % STAGES), count=1)
         acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2))
         slot = split if MODE == 2 else 2 * split + J
         c0 = co0 + 64 * J if MODE == 2 else co0
