@@ -253,7 +253,7 @@ def default_tiles(G, cin, cout, wtiles=()):
 
     def tiles(d):
         if d == "bwd_weight":
-            return list(wtiles) or [GW.DEFAULT_TILE]
+            return list(wtiles) or [GW.tile_for(cout)]
         return [G.default_tile(cin, cout) if d == "fwd" else G.default_tile(cout, cin)]
     return tiles
 

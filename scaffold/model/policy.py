@@ -5,8 +5,8 @@ kernels) and is always there; `triton` runs our kernels (scaffold.kernels, impor
 that a missing or broken kernel module only makes the rung unavailable); `routed` (the convolutions)
 runs each direction (forward, backward-data, backward-weight) on Triton, on our Gluon kernel for Hopper
 or on deterministic cuDNN as a table of measured routes says (scaffold/model/routes.py); `gluon` (the
-convolutions, sm_90) runs forward and backward-data of the 3×3×3 convs it takes on the Gluon kernel
-(scaffold.kernels.conv.gluon) and their backward-weight on Triton (GLUON_ROUTE). More rungs can be
+convolutions, sm_90) runs all three directions of the 3×3×3 convs it takes on the Gluon kernels
+(scaffold.kernels.conv.gluon, .gluon_wgrad: GLUON_ROUTE). More rungs can be
 registered (tests register fakes); a registered rung is a valid `ladder.<kind>` setting.
 
 The choice is a pure function of (setting, device, the call's metadata): never of a timing race, so
@@ -152,9 +152,8 @@ def select_rung(op: str, setting: str, call: Any) -> str:
 # --- the convolutions' directions ---------------------------------------------------------------
 
 ALL_TRITON = (True, True, True)
-# The `gluon` rung: forward and backward-data on the Gluon kernel; backward-weight on Triton (the Gluon
-# backward-weight kernel, scaffold.kernels.conv.gluon_wgrad, is reachable through routes.py entries).
-GLUON_ROUTE = (GLUON, GLUON, True)
+# The `gluon` rung: all three directions on the Gluon kernels (scaffold.kernels.conv.gluon, .gluon_wgrad).
+GLUON_ROUTE = (GLUON, GLUON, GLUON)
 
 
 def conv_route(call: ConvCall | ConvTransposeCall) -> Optional[tuple]:

@@ -51,15 +51,15 @@ ROUTES: dict[str, tuple[str, str, str]] = {
     "sm90|bf16|conv|1024>512|k3s1p1d1|16x16x16": ('vendor', 'vendor', 'vendor'),
     "sm90|bf16|conv|1024>512|k3s1p1d1|32x32x32": ('vendor', 'vendor', 'vendor'),
     "sm90|bf16|conv|128>128|k3s1p1d1|128x128x128": ('vendor', 'vendor', 'vendor'),
-    "sm90|bf16|conv|128>128|k3s1p1d1|64x64x64": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|128>128|k3s1p1d1|64x64x64": ('vendor', 'vendor', 'gluon'),
     "sm90|bf16|conv|128>256|k3s1p1d1|32x32x32": ('vendor', 'vendor', 'vendor'),
     "sm90|bf16|conv|128>256|k3s1p1d1|64x64x64": ('vendor', 'vendor', 'vendor'),
-    "sm90|bf16|conv|128>64|k3s1p1d1|128x128x128": ('gluon', 'vendor', 'vendor'),
+    "sm90|bf16|conv|128>64|k3s1p1d1|128x128x128": ('gluon', 'vendor', 'gluon'),
     "sm90|bf16|conv|128>64|k3s1p1d1|256x256x256": ('vendor', 'vendor', 'triton'),
     "sm90|bf16|conv|2048>1024|k3s1p1d1|16x16x16": ('vendor', 'vendor', 'vendor'),
     "sm90|bf16|conv|2048>2048|k3s1p1d1|8x8x8": ('triton', 'vendor', 'vendor'),
     "sm90|bf16|conv|256>128|k3s1p1d1|128x128x128": ('vendor', 'vendor', 'vendor'),
-    "sm90|bf16|conv|256>128|k3s1p1d1|64x64x64": ('vendor', 'vendor', 'vendor'),
+    "sm90|bf16|conv|256>128|k3s1p1d1|64x64x64": ('vendor', 'vendor', 'gluon'),
     "sm90|bf16|conv|256>256|k3s1p1d1|32x32x32": ('vendor', 'vendor', 'vendor'),
     "sm90|bf16|conv|256>256|k3s1p1d1|64x64x64": ('vendor', 'vendor', 'vendor'),
     "sm90|bf16|conv|256>512|k3s1p1d1|16x16x16": ('vendor', 'vendor', 'vendor'),
@@ -73,8 +73,8 @@ ROUTES: dict[str, tuple[str, str, str]] = {
     "sm90|bf16|conv|512>512|k3s1p1d1|16x16x16": ('vendor', 'vendor', 'vendor'),
     "sm90|bf16|conv|512>512|k3s1p1d1|32x32x32": ('vendor', 'vendor', 'vendor'),
     "sm90|bf16|conv|64>128|k3s1p1d1|128x128x128": ('vendor', 'vendor', 'vendor'),
-    "sm90|bf16|conv|64>128|k3s1p1d1|64x64x64": ('vendor', 'gluon', 'vendor'),
-    "sm90|bf16|conv|64>64|k3s1p1d1|128x128x128": ('gluon', 'gluon', 'triton'),
+    "sm90|bf16|conv|64>128|k3s1p1d1|64x64x64": ('vendor', 'gluon', 'gluon'),
+    "sm90|bf16|conv|64>64|k3s1p1d1|128x128x128": ('gluon', 'gluon', 'gluon'),
     "sm90|bf16|conv|64>64|k3s1p1d1|256x256x256": ('vendor', 'vendor', 'triton'),
     "sm90|bf16|conv|64>6|k1s1p0d1|128x128x128": ('triton', 'triton', 'vendor'),
     "sm90|bf16|conv|64>6|k1s1p0d1|256x256x256": ('triton', 'triton', 'vendor'),
@@ -122,7 +122,7 @@ def beyond_int32(x_shape: Sequence[int], w_shape: Sequence[int], stride, padding
 def lookup(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
            transposed: bool = False) -> Optional[tuple]:
     """(forward, backward-data, backward-weight) for this call, each True (Triton), GLUON (our Gluon
-    kernel, scaffold.kernels.conv.gluon: forward and backward-data only) or False (vendor), or None when its shape was
+    kernels, scaffold.kernels.conv.gluon and .gluon_wgrad) or False (vendor), or None when its shape was
     never measured and fits 32-bit indices (all Triton when it does not: see the module's docstring).
     The dtype is the one the conv computes in (autocast's, when it is on). Metadata only: no host
     sync."""
