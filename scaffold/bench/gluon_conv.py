@@ -178,6 +178,8 @@ def check(n, cin, cout, size, tiles, directions=DIRECTIONS, with_triton=True, re
                 out = out.contiguous(memory_format=torch.channels_last_3d)
                 gluon_call(d, x, w, dy, t, out)()
                 again = gluon_call(d, x, w, dy, t)()
+                if tuple(again.shape) != tuple(shape):  # torch.equal would only say "differ"
+                    raise ValueError(f"returned shape {tuple(again.shape)}, expected {tuple(shape)}")
                 row[f"{key}_rel_err"] = _rel(out, refs[d])
                 row[f"{key}_nan"] = bool(out.isnan().any().item())
                 row[f"{key}_repeat_equal"] = bool(torch.equal(out, again))
