@@ -10,8 +10,7 @@ those whose module names contain one of the given strings). For each site and ea
 any) it times, on the same bf16 NDHWC tensors: the Triton launchers (`triton`), cuDNN with algorithm
 search (`cudnn`: cudnn.benchmark on, cuDNN's best), and cuDNN restricted to deterministic algorithms
 without search (`cudnn_det`: what the vendor rung runs in training); on an sm_90 GPU also our Gluon
-kernels (`gluon`: forward and backward-data of the 3×3×3 sites with channels multiples of 64, and
-backward-weight where scaffold.kernels.conv.gluon_wgrad.ROUTABLE, each
+kernels (`gluon`: the three directions of the 3×3×3 sites with channels multiples of 64, each
 with its default tile). `routed` is what `ladder.conv=auto` runs: per direction, the time of the
 rung the measured route (scaffold/model/routes.py) takes, Triton, Gluon or `cudnn_det`. Medians of one of
 scaffold.bench.timing's timers: `wall` (the default: as launched from Python), `device` (CUDA-graph
@@ -120,9 +119,9 @@ def triton_calls(site: Site, x, w, b, dy) -> dict:
 
 
 def gluon_calls(site: Site, x, w, b, dy) -> dict:
-    """The Gluon kernels' directions at a site they take (forward with the bias, backward-data, and
-    backward-weight where gluon_wgrad.ROUTABLE), as the `gluon` route runs them; {} where they take
-    none (not sm_90, not 3×3×3, channels)."""
+    """The Gluon kernels' directions at a site they take (forward with the bias, backward-data and
+    backward-weight), as the `gluon` route runs them; {} where they take none (not sm_90, not 3×3×3,
+    channels)."""
     from scaffold.kernels.conv import gluon as G
     from scaffold.kernels.conv import gluon_wgrad as GW
 
@@ -131,7 +130,7 @@ def gluon_calls(site: Site, x, w, b, dy) -> dict:
     calls = {"fwd": lambda: G.conv3d_forward(x, w, bias=b)}
     if G.supported(dy, w.transpose(0, 1), *geometry(site)):
         calls["bwd_data"] = lambda: G.conv3d_backward_data(dy, w)
-    if GW.ROUTABLE and GW.supported(dy, x, w.shape, *geometry(site)):
+    if GW.supported(dy, x, w.shape, *geometry(site)):
         calls["bwd_weight"] = lambda: GW.conv3d_backward_weight(dy, x, dtype=w.dtype)
     return calls
 

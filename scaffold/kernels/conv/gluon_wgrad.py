@@ -39,9 +39,6 @@ from . import gluon as G
 gluon, gl = G.gluon, G.gl
 
 
-# Offered to the route tuner (scaffold.bench.conv.gluon_calls) and run by the `gluon` rung.
-ROUTABLE = True
-
 SM90_SMEM_PER_SM = 233472  # bytes of shared memory on one sm_90 multiprocessor
 
 
