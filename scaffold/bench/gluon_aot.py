@@ -77,9 +77,8 @@ def _stand_ins(tile, n: int, cin: int, cout: int, size: tuple):
     xv = Strided(torch.bfloat16, [n, d, h, w, cin])
     if is_wgrad(tile):  # backward-weight: x, dy and the partials
         from scaffold.kernels.conv import gluon_wgrad as GW
-        _, s, _, _ = GW.plan((n, d, h, w, cin), cout, tile, 132)
         return (xv, Strided(torch.bfloat16, [n, d, h, w, cout]),
-                Strided(torch.float32, [2 * s, cout * 27 * cin]))
+                Strided(torch.float32, list(GW.partials_shape((n, d, h, w, cin), cout, tile, 132))))
     wm = Strided(torch.bfloat16, [27 * cin, cout])
     out = Strided(torch.bfloat16, [n, cout, d, h, w], (d * h * w * cout, 1, h * w * cout, w * cout, cout))
     return xv, wm, out, Strided(torch.bfloat16, [cout])

@@ -191,18 +191,10 @@ if gluon is not None:
         mbarrier.expect(bar, A_BYTES + KD_PER * B_BYTES)
         a_stage = a_bufs.index(s)
         # Box shapes are powers of two: with the halo, the BD + 2 planes are two copies (BD, then 2).
-        a_main = a_stage.slice(0, BD * PLANE, dim=0)
-        if PUBLIC_REINTERPRET:
-            a_dst = a_main.reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
-        else:
-            a_dst = a_main._reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
+        a_dst = _box(a_stage.slice(0, BD * PLANE, dim=0), x_desc, PUBLIC_REINTERPRET)
         _tma_load(x_desc, [n, d0 - 1 + kd, h0 - 1 + kh, w0 - 1 + kw, c0], bar, a_dst)
         if HALO:
-            a_tail = a_stage.slice(BD * PLANE, 2 * PLANE, dim=0)
-            if PUBLIC_REINTERPRET:
-                h_dst = a_tail.reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
-            else:
-                h_dst = a_tail._reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
+            h_dst = _box(a_stage.slice(BD * PLANE, 2 * PLANE, dim=0), xh_desc, PUBLIC_REINTERPRET)
             _tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, c0], bar, h_dst)
         for j in gl.static_range(KD_PER):
             tap = ((kd + j) * 3 + kh) * 3 + kw
@@ -429,6 +421,15 @@ if gluon is not None:
     # MMAs. Each output element is still one fixed-order sum over (kh, kw, channel, kd).
 
     @gluon.jit
+    def _box(buf, desc, PUBLIC_REINTERPRET: gl.constexpr):
+        """A stage's rows viewed as `desc`'s box, the destination of a copy by it."""
+        if PUBLIC_REINTERPRET:
+            r = buf.reinterpret(gl.bfloat16, desc.block_shape, desc.layout)
+        else:
+            r = buf._reinterpret(gl.bfloat16, desc.block_shape, desc.layout)
+        return r
+
+    @gluon.jit
     def _plane(a_lo, a_hi, s, q: gl.constexpr, BD: gl.constexpr, PLANE: gl.constexpr):
         if q < BD:
             r = a_lo.index(s).slice(q * PLANE, PLANE, dim=0)
@@ -456,14 +457,10 @@ if gluon is not None:
             kh = t // 3
             bar = ready.index(s)
             mbarrier.expect(bar, (BD + 2) * PLANE * BK * 2 + 3 * BK * BN * 2)
-            if PUBLIC_REINTERPRET:
-                lo = a_lo.index(s).reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
-                hi = a_hi.index(s).reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
-            else:
-                lo = a_lo.index(s)._reinterpret(gl.bfloat16, [1, BD, BH, BW, BK], x_desc.layout)
-                hi = a_hi.index(s)._reinterpret(gl.bfloat16, [1, 2, BH, BW, BK], xh_desc.layout)
-            _tma_load(x_desc, [n, d0 - 1, h0 - 1 + kh, w0 - 1 + kw, c0], bar, lo)
-            _tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, c0], bar, hi)
+            _tma_load(x_desc, [n, d0 - 1, h0 - 1 + kh, w0 - 1 + kw, c0], bar,
+                      _box(a_lo.index(s), x_desc, PUBLIC_REINTERPRET))
+            _tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, c0], bar,
+                      _box(a_hi.index(s), xh_desc, PUBLIC_REINTERPRET))
             tap = kh * 3 + kw
             _tma_load(w_desc, [tap * Cin + c0, n0], bar, b0.index(s))
             _tma_load(w_desc, [(9 + tap) * Cin + c0, n0], bar, b1.index(s))

@@ -147,20 +147,13 @@ if gluon is not None:
             n, d0, h0, w0, _ = G._tile_origin(start + i, 1, tiles_w, tiles_h, tiles_d, BD, BH, BW, BCO)
             bar = ready.index(s)
             mbarrier.expect(bar, ((BD + 2) * BCI + BD * BCO) * PLANE * 2)
-            if PUBLIC_REINTERPRET:
-                lo = x_lo.index(s).reinterpret(gl.bfloat16, [1, BD, BH, BW, BCI], x_desc.layout)
-                hi = x_hi.index(s).reinterpret(gl.bfloat16, [1, 2, BH, BW, BCI], xh_desc.layout)
-            else:
-                lo = x_lo.index(s)._reinterpret(gl.bfloat16, [1, BD, BH, BW, BCI], x_desc.layout)
-                hi = x_hi.index(s)._reinterpret(gl.bfloat16, [1, 2, BH, BW, BCI], xh_desc.layout)
-            G._tma_load(x_desc, [n, d0 - 1, h0 - 1 + kh, w0 - 1 + kw, ci0], bar, lo)
-            G._tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, ci0], bar, hi)
+            G._tma_load(x_desc, [n, d0 - 1, h0 - 1 + kh, w0 - 1 + kw, ci0], bar,
+                        G._box(x_lo.index(s), x_desc, PUBLIC_REINTERPRET))
+            G._tma_load(xh_desc, [n, d0 - 1 + BD, h0 - 1 + kh, w0 - 1 + kw, ci0], bar,
+                        G._box(x_hi.index(s), xh_desc, PUBLIC_REINTERPRET))
             for c in gl.static_range(GS):
-                if PUBLIC_REINTERPRET:
-                    gb = g_buf.index(s * GS + c).reinterpret(gl.bfloat16, [1, BD, BH, BW, 64], g_desc.layout)
-                else:
-                    gb = g_buf.index(s * GS + c)._reinterpret(gl.bfloat16, [1, BD, BH, BW, 64], g_desc.layout)
-                G._tma_load(g_desc, [n, d0, h0, w0, co0 + 64 * c], bar, gb)
+                G._tma_load(g_desc, [n, d0, h0, w0, co0 + 64 * c], bar,
+                            G._box(g_buf.index(s * GS + c), g_desc, PUBLIC_REINTERPRET))
 
     @gluon.jit
     def _wgrad_store(acc, p_ptr, slot, tap, co0, ci0, Cout, Cin, BCO: gl.constexpr, BCI: gl.constexpr,
@@ -274,8 +267,10 @@ def _layouts(tile: WgradTile):
     return xl2, gl2, mma, box(tile.bd, tile.bci), box(2, tile.bci), box(tile.bd, 64)
 
 
+@functools.lru_cache(maxsize=None)
 def plan(shape_x, cout: int, tile: WgradTile, sms: int) -> tuple[int, int, int, int]:
-    """(programs, splits, boxes per split, boxes) for x of shape (N, D, H, W, Cin)-ordered sizes."""
+    """(programs, splits, boxes per split, boxes) for x of shape (N, D, H, W, Cin)-ordered sizes (a
+    tuple: cached, as every step asks again)."""
     n, d, h, w, cin = shape_x
     boxes = n * cdiv(d, tile.bd) * cdiv(h, tile.bh) * cdiv(w, tile.bw)
     tiles = 9 * cdiv(cin, tile.bci) * cdiv(cout, tile.bco)
@@ -283,6 +278,11 @@ def plan(shape_x, cout: int, tile: WgradTile, sms: int) -> tuple[int, int, int, 
     s, per = _wave_split_plan(sms * tile.per_sm, tiles, boxes, tile.slots_per_chunk * cout * cin * 27,
                               float(tile.step_flops()), 2, 1 << 30)
     return tiles * s, s, per, boxes
+
+
+def partials_shape(shape_x, cout: int, tile: WgradTile, sms: int) -> tuple[int, int]:
+    """The fp32 partials a launch writes: [slots_per_chunk·splits, Cout·27·Cin]."""
+    return tile.slots_per_chunk * plan(shape_x, cout, tile, sms)[1], cout * 27 * shape_x[4]
 
 
 def kernel_arguments(xv, gv, partials, tile: WgradTile, sms: int = 132) -> tuple:
@@ -316,9 +316,10 @@ def conv3d_backward_weight(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor 
         out = torch.empty((cout, cin, 3, 3, 3), device=dy.device, dtype=dtype or dy.dtype,
                           memory_format=torch.channels_last_3d)
     xv, gv = x.permute(0, 2, 3, 4, 1), dy.permute(0, 2, 3, 4, 1)
-    _, s, _, _ = plan(tuple(xv.shape), cout, tile, sm_count(dy.device))
-    partials = torch.empty((tile.slots_per_chunk * s, cout * 27 * cin), device=dy.device, dtype=torch.float32)
-    grid, args, kwargs = kernel_arguments(xv, gv, partials, tile, sm_count(dy.device))
+    sms = sm_count(dy.device)
+    partials = torch.empty(partials_shape(tuple(xv.shape), cout, tile, sms), device=dy.device,
+                           dtype=torch.float32)
+    grid, args, kwargs = kernel_arguments(xv, gv, partials, tile, sms)
     _conv3x3x3_wgrad_kernel[grid](*args, **kwargs)
     sum_splits(partials, out.permute(0, 2, 3, 4, 1).view(-1))
     return out
