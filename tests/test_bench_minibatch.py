@@ -42,3 +42,43 @@ def test_breakdown_without_cuda_says_so_in_one_line(tmp_path, capsys, monkeypatc
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("--breakdown:") and "no CUDA device" in err[0]
     assert out.is_file()
+
+
+def test_an_alt_variant_runs_with_the_other_route_table_and_puts_the_committed_one_back(tmp_path, monkeypatch):
+    import json
+
+    import pytest
+    import torch
+
+    from scaffold.bench import minibatch
+    from scaffold.model import routes
+
+    committed = dict(routes.ROUTES)
+    key = "sm90|bf16|conv|64>64|k3s1p1d1|128x128x128"
+    other = {key: ("vendor", "triton", "vendor")}
+    py = tmp_path / "routes.py"
+    py.write_text(f"ROUTES = {other!r}\n")
+    js = tmp_path / "routes.json"
+    js.write_text(json.dumps({"device": "x", "routes": {key: list(other[key])}}))
+    assert minibatch.load_routes(str(py)) == other == minibatch.load_routes(str(js))
+    seen = []
+    real = minibatch.make_step
+
+    def spy(variant, *a, **k):
+        seen.append((variant, dict(routes.ROUTES)))
+        return real(variant, *a, **k)
+
+    monkeypatch.setattr(minibatch, "make_step", spy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "m.json"
+    assert minibatch.main(["--scale", "3", "--width", "4", "--variants", "ladder,ladder@alt", "--steps", "1",
+                           "--reps", "1", "--warmup", "0", "--alt-routes", str(py), "--out", str(out)]) == 0
+    assert seen == [("ladder", committed), ("ladder", other)]
+    assert routes.ROUTES == committed
+    assert [r["variant"] for r in json.loads(out.read_text())["results"]] == ["ladder", "ladder@alt"]
+    with pytest.raises(SystemExit):  # an @alt variant without a table: one line, before any work
+        minibatch.main(["--variants", "ladder@alt", "--out", str(out)])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit):
+        minibatch.main(["--variants", "ladder@alt", "--alt-routes", str(bad), "--out", str(out)])

@@ -17,6 +17,10 @@ side by side in one process:
   V+recompute  variant V with model.recompute=blocks (activations recomputed in the backward)
   V+separatehead  variant V with the last GroupNorm + ReLU and the 1x1x1 head run apart (UNet3d.fuse_head
             off; fused by default where the rungs allow, see scaffold.kernels.norm_head)
+  V@alt     variant V with the conv route table of `--alt-routes FILE` (another tree's routes.py, or the
+            JSON of `scaffold.bench.tune_routes --out`) in place of scaffold/model/routes.py's, to weigh
+            a route change inside the step; a variant may be named more than once, e.g.
+            `--variants graphed,graphed@alt,graphed,graphed@alt` alternates the two tables
 Each variant runs warm-up steps first, then `--reps` rounds of `--steps` steps timed with
 scaffold.bench.timing.measure (wall timer: CUDA events, one wait at the end); the table gives the median
 step time and the ratio to `vendor`.
@@ -141,8 +145,43 @@ def make_step(variant: str, scale: int, width: int, device: torch.device, n_clas
     return model, step, masks
 
 
+def load_routes(path: str) -> dict:
+    """A conv route table from a routes.py (its ROUTES) or from tune_routes' JSON (its "routes")."""
+    import importlib.util
+    import json
+
+    if path.endswith(".json"):
+        with open(path) as f:
+            table = json.load(f).get("routes")
+    else:
+        spec = importlib.util.spec_from_file_location("_alt_routes", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        table = getattr(mod, "ROUTES", None)
+    if not isinstance(table, dict):
+        raise ValueError(f"--alt-routes {path}: expected a routes.py with ROUTES or tune_routes' JSON "
+                         f"with 'routes'")
+    return {k: tuple(v) for k, v in table.items()}
+
+
 def time_variant(variant: str, scale: int, width: int, steps: int, reps: int, warmup: int,
-                 device: torch.device, profile: bool = False) -> dict:
+                 device: torch.device, profile: bool = False, routes: dict | None = None) -> dict:
+    """One variant's timings; `routes`: a conv route table used in place of the committed one while the
+    variant is built and timed (a `V@alt` variant)."""
+    if variant.endswith("@alt"):
+        if routes is None:
+            raise ValueError(f"variant {variant} needs --alt-routes FILE")
+        from scaffold.model import routes as committed
+
+        saved = dict(committed.ROUTES)
+        committed.ROUTES.clear()
+        committed.ROUTES.update(routes)
+        try:
+            res = time_variant(variant[: -len("@alt")], scale, width, steps, reps, warmup, device, profile)
+        finally:
+            committed.ROUTES.clear()
+            committed.ROUTES.update(saved)
+        return {**res, "variant": variant}
     cuda = device.type == "cuda"
     if cuda:  # peak from here on: a CUDA graph allocates its memory when it is captured, in make_step
         torch.cuda.reset_peak_memory_stats()
@@ -185,8 +224,18 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--breakdown", action="store_true",
                     help="also profile the steps: device time by part (GroupNorm, conv, loss, ...)")
+    ap.add_argument("--alt-routes", default="", metavar="FILE",
+                    help="the conv route table of the `V@alt` variants (a routes.py, or tune_routes' JSON)")
     ap.add_argument("--out", default="bench_results/minibatch.json")
     args = ap.parse_args(argv)
+    alt = None
+    if args.alt_routes:
+        try:
+            alt = load_routes(args.alt_routes)
+        except (OSError, ValueError, SyntaxError) as e:
+            ap.error(str(e).splitlines()[0])
+    elif any(v.endswith("@alt") for v in args.variants.split(",")):
+        ap.error("the @alt variants need --alt-routes FILE")
     device, scale = model_bench_setup(args.scale)
     cuda = device.type == "cuda"
     if args.breakdown and not cuda:
@@ -196,7 +245,7 @@ def main(argv=None) -> int:
     for v in args.variants.split(","):
         try:
             results.append(time_variant(v, scale, args.width, args.steps, args.reps, args.warmup, device,
-                                        profile=args.breakdown))
+                                        profile=args.breakdown, routes=alt))
         except Exception as e:  # keep the other variants' numbers
             results.append({"variant": v, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
         if cuda:
@@ -205,22 +254,22 @@ def main(argv=None) -> int:
     dev = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"training step, scale {scale} ({2**scale}³), width {args.width}, batch 1, {dev}; "
           f"median of {args.reps} x {args.steps} steps")
-    print(f"{'variant':<10} {'step ms':>9} {'vs vendor':>10} {'peak GiB':>9}  rungs")
+    print(f"{'variant':<14} {'step ms':>9} {'vs vendor':>10} {'peak GiB':>9}  rungs")
     for r in results:
         if "error" in r:
-            print(f"{r['variant']:<10} failed: {r['error']}")
+            print(f"{r['variant']:<14} failed: {r['error']}")
             continue
         ratio = f"{r['step_ms_median'] / base:.2f}x" if base else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         rungs = "" if r["census"] is None else "; ".join(
             f"{op} " + ",".join(f"{k}:{n}" for k, n in sorted(c.items())) for op, c in r["census"].items())
-        print(f"{r['variant']:<10} {r['step_ms_median']:>9.2f} {ratio:>10} {mem:>9}  {rungs}")
+        print(f"{r['variant']:<14} {r['step_ms_median']:>9.2f} {ratio:>10} {mem:>9}  {rungs}")
     for r in results:
         b = r.get("breakdown")
         if b:
             parts = "  ".join(f"{k} {v:.2f}" for k, v in sorted(b["device_ms_by_part"].items(),
                                                                 key=lambda kv: -kv[1]))
-            print(f"{r['variant']:<10} device ms per step by part: {parts}  (sum {b['device_ms_total']:.2f}; "
+            print(f"{r['variant']:<14} device ms per step by part: {parts}  (sum {b['device_ms_total']:.2f}; "
                   f"profiled step {b['profiled_step_wall_ms']:.2f}; host enqueue {b['host_enqueue_ms']:.2f}, "
                   f"host per step behind a busy device {b['host_ms_per_step']:.2f})")
     write_json(args.out, {"scale": scale, "width": args.width, "device": dev, "results": results})
