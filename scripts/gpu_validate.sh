@@ -3,7 +3,9 @@
 # under its own time limit, in priority order. Logs and JSON go to $RESULTS (default bench_results/gpu),
 # packed into $ARCHIVE_DIR/results.tgz when ARCHIVE_DIR is set (to carry them off a remote machine).
 #   scripts/gpu_validate.sh [stage ...]     stages: tests norm normsweep train minibatch
-#   breakdown loss losssweep probe conv scaling (scaling: a multi-GPU host; RANKS=2,4 by default)
+#   breakdown loss losssweep probe conv scaling spatial fsdp (the last three: a multi-GPU host;
+#   scaling and fsdp: RANKS=2,4 and SCALE=7 by default; spatial: SHARDS=2 ranks each sharding one
+#   volume, SPATIAL_SCALE=9)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -42,11 +44,17 @@ for s in $stages; do
     scaling) run scaling "${LIMIT_SCALING:-600}" python3 -m scaffold.bench.scaling --ranks "${RANKS:-2,4}" \
                --scale "${SCALE:-7}" --epochs 2 --reps 2 --workdir "$RESULTS/scaling_runs" \
                --out "$RESULTS/scaling.json" ;;
+    spatial) run spatial "${LIMIT_SPATIAL:-600}" python3 -m scaffold.bench.scaling --ranks "${SHARDS:-2}" \
+               --scale "${SPATIAL_SCALE:-9}" --epochs 1 --reps 2 --workdir "$RESULTS/spatial_runs" \
+               --out "$RESULTS/spatial.json" -- "parallel.spatial_shards=${SHARDS:-2}" ;;
+    fsdp) run fsdp "${LIMIT_FSDP:-600}" python3 -m scaffold.bench.scaling --ranks "${RANKS:-2,4}" \
+            --scale "${SCALE:-7}" --epochs 2 --reps 2 --workdir "$RESULTS/fsdp_runs" \
+            --out "$RESULTS/fsdp.json" -- parallel.fsdp=on ;;
     conv) run conv "${LIMIT_CONV:-300}" python3 -m scaffold.bench.conv --scale 7 --out "$RESULTS/conv.json" ;;
   esac
 done
 if [ -n "${ARCHIVE_DIR:-}" ]; then
-  rm -rf "$RESULTS/train_run/checkpoints" "$RESULTS"/scaling_runs/*/checkpoints
+  rm -rf "$RESULTS/train_run/checkpoints" "$RESULTS"/{scaling,spatial,fsdp}_runs/*/checkpoints
   tar czf "$ARCHIVE_DIR/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
   cp "$summary" "$ARCHIVE_DIR/summary.txt"
 fi
