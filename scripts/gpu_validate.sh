@@ -5,7 +5,8 @@
 #   scripts/gpu_validate.sh [stage ...]     stages: tests norm normsweep train minibatch
 #   breakdown loss losssweep probe conv scaling spatial fsdp (the last three: a multi-GPU host;
 #   scaling and fsdp: RANKS=2,4 and SCALE=7 by default; spatial: SHARDS=2 ranks each sharding one
-#   volume, SPATIAL_SCALE=9)
+#   volume, SPATIAL_SCALE=9); routes (retunes scaffold/model/routes.py on device time at ROUTE_SCALES,
+#   7,8 by default, rewriting it after every site, and keeps a copy beside the logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -50,6 +51,9 @@ for s in $stages; do
     fsdp) run fsdp "${LIMIT_FSDP:-600}" python3 -m scaffold.bench.scaling --ranks "${RANKS:-2,4}" \
             --scale "${SCALE:-7}" --epochs 2 --reps 2 --workdir "$RESULTS/fsdp_runs" \
             --out "$RESULTS/fsdp.json" -- parallel.fsdp=on ;;
+    routes) run routes "${LIMIT_ROUTES:-600}" python3 -m scaffold.bench.tune_routes --scale "${ROUTE_SCALES:-7,8}" \
+              --timer device --reps 3 --write --out "$RESULTS/routes.json"
+            cp scaffold/model/routes.py "$RESULTS/routes.py" ;;
     conv) run conv "${LIMIT_CONV:-300}" python3 -m scaffold.bench.conv --scale 7 --out "$RESULTS/conv.json" ;;
   esac
 done
