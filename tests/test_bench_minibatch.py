@@ -44,7 +44,8 @@ def test_breakdown_without_cuda_says_so_in_one_line(tmp_path, capsys, monkeypatc
     assert out.is_file()
 
 
-def test_an_alt_variant_runs_with_the_other_route_table_and_puts_the_committed_one_back(tmp_path, monkeypatch):
+def test_an_alt_variant_runs_with_the_other_route_table_and_puts_the_committed_one_back(tmp_path, monkeypatch,
+                                                                                       capsys):
     import json
 
     import pytest
@@ -80,5 +81,8 @@ def test_an_alt_variant_runs_with_the_other_route_table_and_puts_the_committed_o
         minibatch.main(["--variants", "ladder@alt", "--out", str(out)])
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    with pytest.raises(SystemExit):
-        minibatch.main(["--variants", "ladder@alt", "--alt-routes", str(bad), "--out", str(out)])
+    for path in (bad, tmp_path / "missing.py"):
+        with pytest.raises(SystemExit):
+            minibatch.main(["--variants", "ladder@alt", "--alt-routes", str(path), "--out", str(out)])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert err[-1].count("--alt-routes") == 1 and str(path) in err[-1]

@@ -150,14 +150,17 @@ def load_routes(path: str) -> dict:
     import importlib.util
     import json
 
-    if path.endswith(".json"):
-        with open(path) as f:
-            table = json.load(f).get("routes")
-    else:
-        spec = importlib.util.spec_from_file_location("_alt_routes", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        table = getattr(mod, "ROUTES", None)
+    try:
+        if path.endswith(".json"):
+            with open(path) as f:
+                table = json.load(f).get("routes")
+        else:
+            spec = importlib.util.spec_from_file_location("_alt_routes", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            table = getattr(mod, "ROUTES", None)
+    except (OSError, SyntaxError, ValueError, AttributeError) as e:
+        raise ValueError(f"--alt-routes {path}: {type(e).__name__}: {e}".splitlines()[0]) from None
     if not isinstance(table, dict):
         raise ValueError(f"--alt-routes {path}: expected a routes.py with ROUTES or tune_routes' JSON "
                          f"with 'routes'")
@@ -232,8 +235,8 @@ def main(argv=None) -> int:
     if args.alt_routes:
         try:
             alt = load_routes(args.alt_routes)
-        except (OSError, ValueError, SyntaxError) as e:
-            ap.error(str(e).splitlines()[0])
+        except ValueError as e:
+            ap.error(str(e))
     elif any(v.endswith("@alt") for v in args.variants.split(",")):
         ap.error("the @alt variants need --alt-routes FILE")
     device, scale = model_bench_setup(args.scale)
