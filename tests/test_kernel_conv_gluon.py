@@ -182,6 +182,50 @@ def test_the_gluon_route_runs_gluon_with_the_bias_and_its_gradients_are_right(mo
         assert rel < 1e-2, rel
 
 
+@pytest.mark.gpu
+def test_a_volume_of_two_to_the_31_elements_is_addressed_right_to_its_last_planes():
+    """128>64 at 256³, the site scale 8 routes here: its input (and backward-data's output) holds 2³¹
+    elements, past 32-bit offsets. The last output planes of the whole volume, forward and
+    backward-data, are bitwise those of the same kernel on the last 8 planes alone (the same box
+    geometry, so the same sums: any offset that wrapped would differ); backward-weight over the whole
+    volume, zero but for those planes, matches the slab's within rounding (other chunks)."""
+    if not G.available():
+        pytest.skip(G.unavailable_reason())
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs 40 GiB of device memory")
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def ndhwc(c, d):  # a channels_last_3d (1, c, d, 256, 256) bf16 tensor
+        return torch.randn(1, d, 256, 256, c, device="cuda", dtype=torch.bfloat16,
+                           generator=g).permute(0, 4, 1, 2, 3)
+
+    x, dy = ndhwc(128, 256), ndhwc(64, 256)
+    assert x.numel() == 2**31
+    w = (torch.randn(64, 128, 3, 3, 3, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    slab = slice(248, 256)  # the last two 4-plane boxes; output planes 252..255 see only these
+
+    def last_planes(t):
+        return t[:, :, -4:].contiguous()
+
+    y = G.conv3d_forward(x, w)
+    y_slab = G.conv3d_forward(x[:, :, slab].contiguous(memory_format=torch.channels_last_3d), w)
+    assert torch.equal(last_planes(y), last_planes(y_slab))
+    del y, y_slab
+    dx = G.conv3d_backward_data(dy, w)
+    assert dx.numel() == 2**31
+    dx_slab = G.conv3d_backward_data(dy[:, :, slab].contiguous(memory_format=torch.channels_last_3d), w)
+    assert torch.equal(last_planes(dx), last_planes(dx_slab))
+    del dx, dx_slab
+    x[:, :, :248].zero_()
+    dy[:, :, :252].zero_()
+    dw = GW.conv3d_backward_weight(dy, x, dtype=torch.float32)
+    cl = torch.channels_last_3d
+    dw_slab = GW.conv3d_backward_weight(dy[:, :, slab].contiguous(memory_format=cl),
+                                        x[:, :, slab].contiguous(memory_format=cl), dtype=torch.float32)
+    assert dw_slab.abs().max() > 0
+    assert torch.allclose(dw, dw_slab, rtol=1e-4, atol=1e-5 * dw_slab.abs().max().item())
+
+
 @pytest.mark.parametrize("spec", ["4x8x8x64:4:w1:8", "2x8x8x128:4:p1:8", "4x8x8x128:4:w1d:8",
                                   "4x8x8x64:3:xd:4", "w4x4x8:4", "w4x4x8:3:c"])
 def test_compiles_for_sm90_with_overlapping_mmas_and_no_spills(spec, tmp_path):
