@@ -194,12 +194,13 @@ def test_a_volume_of_two_to_the_31_elements_is_addressed_right_to_its_last_plane
     if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
         pytest.skip("needs 40 GiB of device memory")
     g = torch.Generator(device="cuda").manual_seed(5)
+    cl = torch.channels_last_3d
 
-    def ndhwc(c, d):  # a channels_last_3d (1, c, d, 256, 256) bf16 tensor
-        return torch.randn(1, d, 256, 256, c, device="cuda", dtype=torch.bfloat16,
+    def ndhwc(c):  # a channels_last_3d (1, c, 256, 256, 256) bf16 tensor
+        return torch.randn(1, 256, 256, 256, c, device="cuda", dtype=torch.bfloat16,
                            generator=g).permute(0, 4, 1, 2, 3)
 
-    x, dy = ndhwc(128, 256), ndhwc(64, 256)
+    x, dy = ndhwc(128), ndhwc(64)
     assert x.numel() == 2**31
     w = (torch.randn(64, 128, 3, 3, 3, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
     slab = slice(248, 256)  # the last two 4-plane boxes; output planes 252..255 see only these
@@ -208,18 +209,17 @@ def test_a_volume_of_two_to_the_31_elements_is_addressed_right_to_its_last_plane
         return t[:, :, -4:].contiguous()
 
     y = G.conv3d_forward(x, w)
-    y_slab = G.conv3d_forward(x[:, :, slab].contiguous(memory_format=torch.channels_last_3d), w)
+    y_slab = G.conv3d_forward(x[:, :, slab].contiguous(memory_format=cl), w)
     assert torch.equal(last_planes(y), last_planes(y_slab))
     del y, y_slab
     dx = G.conv3d_backward_data(dy, w)
     assert dx.numel() == 2**31
-    dx_slab = G.conv3d_backward_data(dy[:, :, slab].contiguous(memory_format=torch.channels_last_3d), w)
+    dx_slab = G.conv3d_backward_data(dy[:, :, slab].contiguous(memory_format=cl), w)
     assert torch.equal(last_planes(dx), last_planes(dx_slab))
     del dx, dx_slab
     x[:, :, :248].zero_()
     dy[:, :, :252].zero_()
     dw = GW.conv3d_backward_weight(dy, x, dtype=torch.float32)
-    cl = torch.channels_last_3d
     dw_slab = GW.conv3d_backward_weight(dy[:, :, slab].contiguous(memory_format=cl),
                                         x[:, :, slab].contiguous(memory_format=cl), dtype=torch.float32)
     assert dw_slab.abs().max() > 0
