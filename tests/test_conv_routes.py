@@ -208,3 +208,31 @@ def test_every_scale9_site_beyond_32_bit_indices_leaves_cudnn(monkeypatch):
             assert route is None, s.name
     # inc.conv1, inc.conv2, downs.0.conv1/conv2, ups.4.up, ups.5.up, ups.5.conv.conv1, outc
     assert large >= 7
+
+
+def test_the_tuner_times_only_our_kernels_where_an_operand_passes_int32_and_routes_to_the_faster(monkeypatch):
+    """Scale 8's 128>64 conv at 256³ has a 2^31-element input: the tuner does not time cuDNN there (its
+    64-bit-index kernels take seconds a call at scale 9) and gives each direction to the faster of
+    ours; a site below 2^31 still races cuDNN, which wins where ours are slower."""
+    from scaffold.bench import conv as bench_conv
+
+    asked = {}
+
+    def fake_bench_site(site, rungs=(), timer="wall", **_):
+        asked[site.name] = tuple(rungs)
+        row = {f"triton_{d}_ms": 2.0 for d in bench_conv.DIRECTIONS}
+        row.update({f"gluon_{d}_ms": 1.0 for d in ("fwd", "bwd_data")})
+        if "cudnn_det" in rungs:
+            row.update({f"cudnn_det_{d}_ms": 0.5 for d in bench_conv.DIRECTIONS})
+        return row
+
+    monkeypatch.setattr(tune_routes, "bench_site", fake_bench_site)
+    monkeypatch.setattr(tune_routes, "site_key", lambda s: s.name)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    table, report = tune_routes.tune(8, reps=1, margin=0.02, names=["ups.4.conv.conv1", "inc.conv2"],
+                                     log=lambda *_: None)
+    assert tune_routes.past_int32(next(s for s in conv_sites(8) if s.name == "ups.4.conv.conv1"))
+    assert not tune_routes.past_int32(next(s for s in conv_sites(8) if s.name == "inc.conv2"))
+    assert "cudnn_det" not in asked["ups.4.conv.conv1"] and "cudnn_det" in asked["inc.conv2"]
+    assert table["ups.4.conv.conv1"] == ("gluon", "gluon", "triton")
+    assert table["inc.conv2"] == ("vendor", "vendor", "vendor")

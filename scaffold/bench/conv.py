@@ -80,11 +80,13 @@ def site_key(site: Site, arch: str = "", dtype: torch.dtype = torch.bfloat16) ->
 def site_tensors(site: Site, batch: int = 1, seed: int = 0, dtype=torch.bfloat16):
     """Random bf16 NDHWC operands of a site: x, w, bias (or None), dy."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    cl = torch.channels_last_3d
-
-    def rnd(*shape, scale=1.0):
-        t = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32) * scale
-        return t.to(dtype).contiguous(memory_format=cl) if t.dim() == 5 else t.to(dtype)
+    def rnd(*shape, scale=1.0):  # drawn in `dtype` and in NDHWC order: no fp32 or NCDHW copy of a
+        if len(shape) == 5:      # volume (a 128-channel 512³ operand is 34 GB in bf16)
+            n, c, *spatial = shape
+            t = torch.randn(n, *spatial, c, generator=gen, device="cuda", dtype=dtype).permute(0, 4, 1, 2, 3)
+        else:
+            t = torch.randn(*shape, generator=gen, device="cuda", dtype=dtype)
+        return t.mul_(scale) if scale != 1.0 else t
 
     fan_in = site.cin * math.prod(site.weight[2:])
     x = rnd(batch, *site.inputs[0][1:])

@@ -6,15 +6,19 @@
 For every distinct conv site of the model (scaffold.bench.sites) and each direction (forward,
 backward-data, backward-weight; the bias gradient runs on ours whatever the route) it times our
 Triton launchers, our Gluon kernels where they take the site and direction (sm_90: 3×3×3 sites
-with channels multiples of 64; scaffold.bench.conv.gluon_calls), and cuDNN restricted to deterministic
-algorithms without search (what the vendor rung runs in training) on the same bf16 NDHWC operands, `--reps` rounds interleaved, and takes the
-median per side. `--timer wall` (the default) times calls as launched from Python, the host's launch
-cost included; `--timer device` times CUDA-graph replays, the device time alone: the measure for a
-training step whose host runs ahead of its device (bench.minibatch --breakdown says which one a step
-is). A direction goes to the faster of our kernels (Triton or Gluon) when its median is below
-(1 - margin) × cuDNN's, else to vendor; a kernel whose call failed is not a candidate. --write rewrites the ROUTES block of routes.py
-(found through the imported module; temp file + rename) after every site, keeping the keys this run
-did not measure; --print only prints that block at the end. The run-time path never times.
+with channels multiples of 64; scaffold.bench.conv.gluon_calls), and cuDNN restricted to
+deterministic algorithms without search (what the vendor rung runs in training) on the same bf16
+NDHWC operands, `--reps` rounds interleaved, and takes the median per side. `--timer wall` (the
+default) times calls as launched from Python, the host's launch cost included; `--timer device`
+times CUDA-graph replays, the device time alone: the measure for a training step whose host runs
+ahead of its device (bench.minibatch --breakdown says which one a step is). A direction goes to the
+faster of our kernels (Triton or Gluon) when its median is below (1 - margin) × cuDNN's, else to
+vendor; a kernel whose call failed is not a candidate. At a site with an operand of 2^31 elements
+or more cuDNN is not timed: it leaves its tiled kernels there for 64-bit-index direct ones, measured
+10–1000× slower at scale 9 (routes.py), so the faster of ours takes each direction. --write rewrites
+the ROUTES block of routes.py (found through the imported module; temp file + rename) after every
+site, keeping the keys this run did not measure; --print only prints that block at the end. The
+run-time path never times.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import sys
 import torch
 
 from scaffold.bench import rewrite_block, write_json
-from scaffold.bench.conv import DIRECTIONS, bench_site, conv_sites, parse_scales, site_key
+from scaffold.bench.conv import (DIRECTIONS, bench_site, conv_sites, geometry, parse_scales, site_key,
+                                 transposed)
 from scaffold.model import routes
 
 SIDES = ("triton", "cudnn_det")
@@ -43,6 +48,11 @@ def choose(t_ms, v_ms, margin: float, g_ms=None) -> str:
     return rung if ms < (1.0 - margin) * v_ms else routes.VENDOR
 
 
+def past_int32(site) -> bool:
+    """Whether the site has an operand of 2^31 elements or more at batch 1 (routes.beyond_int32)."""
+    return routes.beyond_int32((1, *site.inputs[0][1:]), site.weight, *geometry(site), transposed(site))
+
+
 def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = False,
          log=print, on_site=None, timer: str = "wall") -> tuple[dict, dict]:
     """Returns (routes {key: (fwd, bwd_data, bwd_weight)}, report with the medians and totals).
@@ -55,7 +65,9 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
     for site in conv_sites(scale):
         if not site.matches(names):
             continue
-        runs = [bench_site(site, rungs=sides, timer=timer) for _ in range(reps)]
+        # past 2^31 elements `lookup` never routes to cuDNN (its 64-bit-index kernels), so it is not timed
+        rungs = ("triton",) if past_int32(site) else sides
+        runs = [bench_site(site, rungs=rungs, timer=timer) for _ in range(reps)]
         med = {}
         for side in sides + (routes.GLUON,):
             for d in DIRECTIONS:
