@@ -55,6 +55,7 @@ TILES = [
     G.GluonTile(2, 8, 8, 256, stages=4, halo=False, warps=8, ws=True, direct=True),
     G.GluonTile(4, 8, 8, 64, stages=3, halo=True, warps=4, ws=True, direct=True),
     G.GluonTile(4, 8, 8, 128, stages=2, halo=True, warps=4, ws=True, direct=True),
+    G.GluonTile(4, 8, 8, 128, bk=32, stages=4, halo=True, warps=4, ws=True, direct=True),
 ]
 SHAPES = [(2, 64, 64, (5, 6, 7)), (1, 128, 64, (9, 12, 10)), (1, 64, 128, (20, 24, 40))]
 
@@ -125,7 +126,7 @@ def test_wgrad_matches_cudnn_fp32(tile, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{('x' if t.ws else 'h') if t.halo else 'w' if t.ws else 'p'}{'d' if t.direct else ''}")
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{('x' if t.ws else 'h') if t.halo else 'w' if t.ws else 'p'}{'d' if t.direct else ''}{'' if t.bk == 64 else f'k{t.bk}'}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, (s[1], s[2], *s[3]))))
 def test_matches_cudnn_fp32(tile, shape):
     if not G.available():
@@ -227,7 +228,7 @@ def test_a_volume_of_two_to_the_31_elements_is_addressed_right_to_its_last_plane
 
 
 @pytest.mark.parametrize("spec", ["4x8x8x64:4:w1:8", "2x8x8x128:4:p1:8", "4x8x8x128:4:w1d:8",
-                                  "4x8x8x64:3:xd:4", "w4x4x8:4", "w4x4x8:3:c"])
+                                  "4x8x8x64:3:xd:4", "4x8x8x128:4:xd:4:32", "w4x4x8:4", "w4x4x8:3:c"])
 def test_compiles_for_sm90_with_overlapping_mmas_and_no_spills(spec, tmp_path):
     """Compiled ahead of time for sm_90 (no GPU needed; in a process of its own, away from the Triton
     interpreter the other tests run in): warpgroup MMAs and copy-engine loads in the SASS, no spills,

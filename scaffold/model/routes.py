@@ -11,7 +11,8 @@ shape not in the table is not routed: `auto` runs it all on vendor (`ladder.conv
 direction onto Triton), except a shape where an operand has 2^31 elements or more (`beyond_int32`):
 there cuDNN leaves its tiled kernels for direct convolutions with 64-bit indices, measured on the H200
 at scale 9 up to a thousand times slower than our kernels (whose offsets are int64 throughout), so such
-a shape runs on Triton.
+a shape runs on Triton when unmeasured, and the tuner, which times only ours there, gives each of its
+directions to the faster of Triton and Gluon.
 
 `python -m scaffold.bench.tune_routes` times both sides per site and direction on the GPU the table is for and
 rewrites the ROUTES block below. Keys: arch|dtype|op|cin>cout|geometry|DxHxW of the conv's input
