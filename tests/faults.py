@@ -20,6 +20,7 @@ import errno
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from scaffold.trainer import Trainer
@@ -45,12 +46,26 @@ def _inject(kind: str, rank: int, at: int) -> None:
                 Path(f"stopped-{rank}.pid").write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "agent":  # the launcher (torchrun's agent) forwards it to every rank
-                os.kill(os.getppid(), signal.SIGTERM)
+                _term_parent_and_await_forward(self)
             elif kind not in ("kill", "agent", "stop"):
                 raise RuntimeError(f"injected failure on rank {rank} at step {at}")
         return real(self, masks)
 
     Trainer.step = step
+
+
+def _term_parent_and_await_forward(trainer, timeout_s: float = 30.0) -> None:
+    """SIGTERM to the parent, then wait (bounded) until the SIGTERM it forwards here has reached the
+    trainer's handler, before the step runs: the forward lands during this step however slowly a loaded
+    machine delivers it, as it does on an idle one (else a busy host let the ranks finish the epoch
+    first). Polled: the signal may reach any of the process's threads, and Python runs its handler in
+    the main thread between bytecodes, so a blocking wait here could miss it."""
+    os.kill(os.getppid(), signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while trainer.stop.signum is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the launcher did not forward SIGTERM within {timeout_s:.0f} s")
+        time.sleep(0.005)
 
 
 def _full_disk(at: int) -> None:
