@@ -224,7 +224,9 @@ def test_a_volume_of_two_to_the_31_elements_is_addressed_right_to_its_last_plane
     dw_slab = GW.conv3d_backward_weight(dy[:, :, slab].contiguous(memory_format=cl),
                                         x[:, :, slab].contiguous(memory_format=cl), dtype=torch.float32)
     assert dw_slab.abs().max() > 0
-    assert torch.allclose(dw, dw_slab, rtol=1e-4, atol=1e-5 * dw_slab.abs().max().item())
+    # fp32 sums of 262,144 products each, chunked differently: measured within 2.5e-5 of the largest
+    # entry (H100); an offset that wrapped, or a plane lost or read twice, is off by whole entries
+    assert (dw - dw_slab).abs().max() <= 1e-4 * dw_slab.abs().max()
 
 
 @pytest.mark.parametrize("spec", ["4x8x8x64:4:w1:8", "2x8x8x128:4:p1:8", "4x8x8x128:4:w1d:8",
