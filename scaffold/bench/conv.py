@@ -80,6 +80,7 @@ def site_key(site: Site, arch: str = "", dtype: torch.dtype = torch.bfloat16) ->
 def site_tensors(site: Site, batch: int = 1, seed: int = 0, dtype=torch.bfloat16):
     """Random bf16 NDHWC operands of a site: x, w, bias (or None), dy."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
+
     def rnd(*shape, scale=1.0):  # drawn in `dtype` and in NDHWC order: no fp32 or NCDHW copy of a
         if len(shape) == 5:      # volume (a 128-channel 512³ operand is 34 GB in bf16)
             n, c, *spatial = shape
