@@ -2,11 +2,13 @@
 # GPU validation in one go: the gpu-marked tests, the benchmarks and a scale-7 training run, each stage
 # under its own time limit, in priority order. Logs and JSON go to $RESULTS (default bench_results/gpu),
 # packed into $ARCHIVE_DIR/results.tgz when ARCHIVE_DIR is set (to carry them off a remote machine).
-#   scripts/gpu_validate.sh [stage ...]     stages: tests norm normsweep train minibatch
+#   scripts/gpu_validate.sh [stage ...]     stages: tests norm normsweep train target minibatch
 #   breakdown loss losssweep probe conv scaling spatial fsdp (the last three: a multi-GPU host;
 #   scaling and fsdp: RANKS=2,4 and SCALE=7 by default; spatial: SHARDS=2 ranks each sharding one
 #   volume, SPATIAL_SCALE=9); routes (retunes scaffold/model/routes.py on device time at ROUTE_SCALES,
-#   7,8 by default, rewriting it after every site, and keeps a copy beside the logs)
+#   7,8 by default, rewriting it after every site, and keeps a copy beside the logs); target (the
+#   default scale-7 run to its target: the time to target); scale9 (retunes scale 9's routes, then
+#   its step on them against the table before, ladder with recompute; needs an H200's memory)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -54,11 +56,20 @@ for s in $stages; do
     routes) run routes "${LIMIT_ROUTES:-600}" python3 -m scaffold.bench.tune_routes --scale "${ROUTE_SCALES:-7,8}" \
               --timer device --reps 3 --write --out "$RESULTS/routes.json"
             cp scaffold/model/routes.py "$RESULTS/routes.py" ;;
+    target) run target "${LIMIT_TARGET:-570}" python3 -m scaffold.train scale=7 progress=false \
+              hydra.run.dir="$RESULTS/target_run" ;;
+    scale9) cp scaffold/model/routes.py "$RESULTS/routes_before9.py"
+            run routes9 "${LIMIT_ROUTES9:-420}" python3 -m scaffold.bench.tune_routes --scale 9 --timer device \
+              --reps 2 --write --out "$RESULTS/routes9.json"
+            cp scaffold/model/routes.py "$RESULTS/routes9.py"
+            run step9 "${LIMIT_STEP9:-300}" python3 -m scaffold.bench.minibatch --scale 9 --steps 2 --reps 2 \
+              --warmup 1 --variants ladder+recompute,ladder+recompute@alt --alt-routes "$RESULTS/routes_before9.py" \
+              --out "$RESULTS/step9.json" ;;
     conv) run conv "${LIMIT_CONV:-300}" python3 -m scaffold.bench.conv --scale 7 --out "$RESULTS/conv.json" ;;
   esac
 done
 if [ -n "${ARCHIVE_DIR:-}" ]; then
-  rm -rf "$RESULTS/train_run/checkpoints" "$RESULTS"/{scaling,spatial,fsdp}_runs/*/checkpoints
+  rm -rf "$RESULTS/train_run/checkpoints" "$RESULTS/target_run/checkpoints" "$RESULTS"/{scaling,spatial,fsdp}_runs/*/checkpoints
   tar czf "$ARCHIVE_DIR/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
   cp "$summary" "$ARCHIVE_DIR/summary.txt"
 fi
