@@ -24,6 +24,11 @@ run() {  # run NAME LIMIT_S CMD...: a stage with a limit, its log, one summary l
   echo "stage $name: rc=$rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$summary"
   tail -n 25 "$RESULTS/$name.log" | sed "s/^/  [$name] /" >>"$summary"
 }
+scaling() {  # scaling NAME LIMIT_S RANKS SCALE EPOCHS [OVERRIDE ...]: bench.scaling as a stage
+  local name=$1 limit=$2 ranks=$3 scale=$4 epochs=$5; shift 5
+  run "$name" "$limit" python3 -m scaffold.bench.scaling --ranks "$ranks" --scale "$scale" --epochs "$epochs" \
+    --reps 2 --workdir "$RESULTS/${name}_runs" --out "$RESULTS/$name.json" ${1:+--} "$@"
+}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git log -1 --format='commit %h %s' 2>/dev/null; } | tee "$summary"
@@ -44,15 +49,10 @@ for s in $stages; do
     loss) run loss 90 python3 -m scaffold.bench.loss --out "$RESULTS/loss.json" ;;
     probe) run probe 120 python3 -m scaffold.bench.determinism --scale 7 --out "$RESULTS/determinism.json" ;;
     losssweep) run losssweep 90 python3 -m scaffold.bench.tune_loss --out "$RESULTS/loss_plans.json" ;;
-    scaling) run scaling "${LIMIT_SCALING:-600}" python3 -m scaffold.bench.scaling --ranks "${RANKS:-2,4}" \
-               --scale "${SCALE:-7}" --epochs 2 --reps 2 --workdir "$RESULTS/scaling_runs" \
-               --out "$RESULTS/scaling.json" ;;
-    spatial) run spatial "${LIMIT_SPATIAL:-600}" python3 -m scaffold.bench.scaling --ranks "${SHARDS:-2}" \
-               --scale "${SPATIAL_SCALE:-9}" --epochs 1 --reps 2 --workdir "$RESULTS/spatial_runs" \
-               --out "$RESULTS/spatial.json" -- "parallel.spatial_shards=${SHARDS:-2}" ;;
-    fsdp) run fsdp "${LIMIT_FSDP:-600}" python3 -m scaffold.bench.scaling --ranks "${RANKS:-2,4}" \
-            --scale "${SCALE:-7}" --epochs 2 --reps 2 --workdir "$RESULTS/fsdp_runs" \
-            --out "$RESULTS/fsdp.json" -- parallel.fsdp=on ;;
+    scaling) scaling scaling "${LIMIT_SCALING:-600}" "${RANKS:-2,4}" "${SCALE:-7}" 2 ;;
+    spatial) scaling spatial "${LIMIT_SPATIAL:-600}" "${SHARDS:-2}" "${SPATIAL_SCALE:-9}" 1 \
+               "parallel.spatial_shards=${SHARDS:-2}" ;;
+    fsdp) scaling fsdp "${LIMIT_FSDP:-600}" "${RANKS:-2,4}" "${SCALE:-7}" 2 parallel.fsdp=on ;;
     routes) run routes "${LIMIT_ROUTES:-600}" python3 -m scaffold.bench.tune_routes --scale "${ROUTE_SCALES:-7,8}" \
               --timer device --reps 3 --write --out "$RESULTS/routes.json"
             cp scaffold/model/routes.py "$RESULTS/routes.py" ;;

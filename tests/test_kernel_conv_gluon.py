@@ -60,6 +60,14 @@ TILES = [
 SHAPES = [(2, 64, 64, (5, 6, 7)), (1, 128, 64, (9, 12, 10)), (1, 64, 128, (20, 24, 40))]
 
 
+def _tile_id(t: G.GluonTile) -> str:
+    """e.g. 4x8x8x128xdk32: the box and width, the kind (x d-halo warp-specialized, h d-halo, w
+    warp-specialized, p persistent), d for direct stores, kN for N-channel steps other than 64."""
+    kind = ("x" if t.ws else "h") if t.halo else ("w" if t.ws else "p")
+    steps = "" if t.bk == 64 else f"k{t.bk}"
+    return f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{kind}{'d' if t.direct else ''}{steps}"
+
+
 def assert_check_row(row: dict) -> None:
     """A row of scaffold.bench.gluon_conv.check: no call failed, each error within 5e-3 of fp32
     cuDNN, no element left unwritten (NaN-poisoned output), two calls bitwise equal; at least one
@@ -126,7 +134,7 @@ def test_wgrad_matches_cudnn_fp32(tile, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t.bd}x{t.bh}x{t.bw}x{t.bn}{('x' if t.ws else 'h') if t.halo else 'w' if t.ws else 'p'}{'d' if t.direct else ''}{'' if t.bk == 64 else f'k{t.bk}'}")
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, (s[1], s[2], *s[3]))))
 def test_matches_cudnn_fp32(tile, shape):
     if not G.available():

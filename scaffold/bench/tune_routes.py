@@ -65,9 +65,8 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
     for site in conv_sites(scale):
         if not site.matches(names):
             continue
-        # past 2^31 elements `lookup` never routes to cuDNN (its 64-bit-index kernels), so it is not timed
-        rungs = ("triton",) if past_int32(site) else sides
-        runs = [bench_site(site, rungs=rungs, timer=timer) for _ in range(reps)]
+        past = past_int32(site)  # cuDNN is not timed there: see the module's docstring
+        runs = [bench_site(site, rungs=("triton",) if past else sides, timer=timer) for _ in range(reps)]
         med = {}
         for side in sides + (routes.GLUON,):
             for d in DIRECTIONS:
@@ -75,7 +74,7 @@ def tune(scale: int, reps: int, margin: float, names=None, baseline: bool = Fals
                 med[f"{side}_{d}"] = statistics.median(vals) if vals else None
         route = tuple(choose(med[f"triton_{d}"], med[f"cudnn_det_{d}"], margin, med[f"gluon_{d}"])
                       for d in DIRECTIONS)
-        if rungs != sides:  # past 2^31 a direction where ours failed (memory, say) keeps `lookup`'s Triton
+        if past:  # a direction where ours failed (memory, say) keeps `lookup`'s Triton, never vendor
             route = tuple(routes.TRITON if r == routes.VENDOR else r for r in route)
         key = site_key(site)
         table[key] = route
