@@ -23,7 +23,7 @@ def torchrun(nproc: int, args: list[str], cwd: Path, entry: tuple[str, ...] = ("
              ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--standalone", *entry, *args]
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
            "TRITON_INTERPRET": "1", "HOME": str(cwd)}
     try:
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
