@@ -55,3 +55,5 @@ def main(out_path: str, scale: int, bottleneck: int, shards: int, load_path: str
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
+    from tests.helpers import leave_rank
+    leave_rank()

@@ -64,3 +64,5 @@ def main(out_path: str, edge: int, pd: int, ph: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], *map(int, sys.argv[2:5]))
+    from tests.helpers import leave_rank
+    leave_rank()

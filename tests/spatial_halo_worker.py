@@ -24,3 +24,5 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    from tests.helpers import leave_rank
+    leave_rank()

@@ -42,3 +42,5 @@ def main(out_dir: str, scale: int, shards: int, amp: bool, recompute: str) -> No
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "bf16", sys.argv[5])
+    from tests.helpers import leave_rank
+    leave_rank()

@@ -56,3 +56,5 @@ def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int, de
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "bf16", int(sys.argv[5]), *sys.argv[6:8])
+    from tests.helpers import leave_rank
+    leave_rank()
