@@ -71,6 +71,7 @@ class StopRequest:
 
     def __init__(self):
         self.signum: Optional[int] = None
+        self.raised: Optional[Interrupted] = None  # what the handler raised outside the loop (see worker.run)
         self.armed = False
         self.installed = False
         self.ranks = 1  # with several, the ranks agree on the step to stop at (distributed.StopVote)
@@ -87,8 +88,9 @@ class StopRequest:
                             "and rank 0 saves the position (a second one stops at once)", name,
                             distributed.STOP_LAG)
             return
-        raise Interrupted(signum, f"interrupted by {name} before training could save its position; "
-                                  "the last checkpoint, if any, is kept")
+        self.raised = Interrupted(signum, f"interrupted by {name} before training could save its position; "
+                                          "the last checkpoint, if any, is kept")
+        raise self.raised
 
     def install(self) -> None:
         import threading

@@ -31,7 +31,7 @@ from scaffold.plan import RunPlan, device_kind, resolve, roomy_allocator, valida
 from scaffold.rundir import CENSUS_FILE, CHECKPOINT_DIR, RESULT_FILE, RUN_FILE, STATS_FILE
 from scaffold.stats import StatsFile, load_average
 from scaffold.tracking import NullTracker, make_tracker
-from scaffold.trainer import STOP_SIGNALS, Progress, StopRequest, Trainer, Volumes
+from scaffold.trainer import STOP_SIGNALS, Interrupted, Progress, StopRequest, Trainer, Volumes
 
 log = logging.getLogger("scaffold")
 
@@ -140,7 +140,16 @@ def run(cfg: Any, run_dir: Path, resume: bool = False, overrides: Optional[list[
     stop.install()
     try:
         return _run(cfg, Path(run_dir), resume, overrides, stop, held)
-    except RuntimeError as e:  # a collective timed out: name the ranks that never arrived (hung)
+    except Interrupted:
+        raise
+    except BaseException as e:
+        if stop.raised is not None:
+            # The handler's exception can surface as another: raised while a lock was being released
+            # (a worker pool's condition wait), it leaves "release unlocked lock" in its place.
+            raise stop.raised from None
+        if not isinstance(e, RuntimeError):
+            raise
+        # a collective timed out: name the ranks that never arrived (hung)
         named = distributed.roll_call(e, cfg.parallel.timeout_s)
         if named is None:
             raise

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from faults import flip_byte, full_disk_site, read_only_site
 from helpers import LAUNCH_TIMEOUT, REPO, TINY, cli, lines_until, params, same_params, stable_rows, tiny_cfg
@@ -416,6 +417,50 @@ def test_ctrl_c_during_dataset_generation_is_one_line_and_leaves_nothing(tmp_pat
     assert list(cache.iterdir()) == []  # neither the dataset nor its temporary file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no run directory either
 
+
+
+def _lost_in_a_lock(stop_handler):
+    """A load that receives SIGINT and loses the handler's exception as a lock's __exit__ does when the
+    signal lands while a condition wait releases its lock: "release unlocked lock" in its place."""
+    def load(*args, **kwargs):
+        try:
+            stop_handler(signal.SIGINT)
+        except BaseException:
+            raise RuntimeError("release unlocked lock") from None
+    return load
+
+
+def test_a_stop_signal_whose_exception_surfaces_as_another_still_stops_dataset_generation(monkeypatch):
+    """The data CLI: seen under load, Ctrl-C in a pool's wait gave a RuntimeError traceback and exit 1."""
+    from scaffold.data import __main__ as data_cli
+    from scaffold.data import store
+
+    monkeypatch.setattr(data_cli, "_RAISED", [])
+    monkeypatch.setattr(store, "load", _lost_in_a_lock(data_cli._stop))
+    with pytest.raises(data_cli.Stopped) as got:
+        data_cli._load(OmegaConf.create({"data": {}, "scale": 3, "seed": 0, "progress": False}))
+    assert got.value.signum == signal.SIGINT
+    monkeypatch.setattr(data_cli, "_RAISED", [])
+    monkeypatch.setattr(store, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):  # with no signal received, an error stays itself
+        data_cli._load(OmegaConf.create({"data": {}, "scale": 3, "seed": 0, "progress": False}))
+
+
+def test_a_stop_signal_whose_exception_surfaces_as_another_still_interrupts_the_run(monkeypatch, tmp_path):
+    """The trainer outside its loop (dataset, model, warm-up): the run still ends Interrupted, so the
+    CLI prints its one line and exits 128 + the signal."""
+    from scaffold import worker
+    from scaffold.trainer import Interrupted
+
+    def run(cfg, run_dir, resume, overrides, stop, held):
+        _lost_in_a_lock(stop)()
+
+    monkeypatch.setattr(worker, "_run", run)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(Interrupted) as got:
+        worker.run(None, tmp_path)
+    assert got.value.signum == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers given back as before
 
 # ------------------------------------------------------------------------------- full, read-only disks
 def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(baseline, cache, tmp_path):

@@ -69,20 +69,38 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+_RAISED: list[Stopped] = []  # what _stop raised: the exception can surface as another (see _load)
+
+
 def _stop(signum: int, frame=None) -> None:
-    raise Stopped(signum)
+    _RAISED.append(Stopped(signum))
+    raise _RAISED[-1]
+
+
+def _load(cfg):
+    """The dataset, verified or made. A stop signal's Stopped, raised while a lock was being released
+    (a worker pool's condition wait), leaves "release unlocked lock" in its place: once a signal was
+    received, whatever escapes is that Stopped."""
+    from .store import load
+
+    try:
+        return load(cfg.data, cfg.scale, cfg.seed, progress=cfg.progress)[0]  # verified, or repaired
+    except BaseException:
+        if _RAISED:
+            raise _RAISED[0] from None
+        raise
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base=None)
 def main(cfg) -> None:
     import signal
 
-    from .store import DatasetCorrupt, load
+    from .store import DatasetCorrupt
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _stop)  # one line instead of a traceback (the workers leave them to us)
     try:
-        path = load(cfg.data, cfg.scale, cfg.seed, progress=cfg.progress)[0]  # verified, or repaired
+        path = _load(cfg)
     except (ConfigError, DatasetCorrupt) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
