@@ -418,7 +418,6 @@ def test_ctrl_c_during_dataset_generation_is_one_line_and_leaves_nothing(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no run directory either
 
 
-
 def _lost_in_a_lock(stop_handler):
     """A load that receives SIGINT and loses the handler's exception as a lock's __exit__ does when the
     signal lands while a condition wait releases its lock: "release unlocked lock" in its place."""
@@ -435,15 +434,20 @@ def test_a_stop_signal_whose_exception_surfaces_as_another_still_stops_dataset_g
     from scaffold.data import __main__ as data_cli
     from scaffold.data import store
 
+    cfg = OmegaConf.create({"data": {}, "scale": 3, "seed": 0, "progress": False})
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("other")
+
     monkeypatch.setattr(data_cli, "_RAISED", [])
     monkeypatch.setattr(store, "load", _lost_in_a_lock(data_cli._stop))
     with pytest.raises(data_cli.Stopped) as got:
-        data_cli._load(OmegaConf.create({"data": {}, "scale": 3, "seed": 0, "progress": False}))
+        data_cli._load(cfg)
     assert got.value.signum == signal.SIGINT
     monkeypatch.setattr(data_cli, "_RAISED", [])
-    monkeypatch.setattr(store, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    monkeypatch.setattr(store, "load", fails)
     with pytest.raises(RuntimeError, match="other"):  # with no signal received, an error stays itself
-        data_cli._load(OmegaConf.create({"data": {}, "scale": 3, "seed": 0, "progress": False}))
+        data_cli._load(cfg)
 
 
 def test_a_stop_signal_whose_exception_surfaces_as_another_still_interrupts_the_run(monkeypatch, tmp_path):
@@ -461,6 +465,7 @@ def test_a_stop_signal_whose_exception_surfaces_as_another_still_interrupts_the_
         worker.run(None, tmp_path)
     assert got.value.signum == signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is before  # the handlers given back as before
+
 
 # ------------------------------------------------------------------------------- full, read-only disks
 def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(baseline, cache, tmp_path):
