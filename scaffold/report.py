@@ -12,7 +12,9 @@ import csv
 import io
 import json
 import logging
+import math
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -148,7 +150,7 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = [_summary_row(run, sweep_dir) for run in find_runs(sweep_dir)]
     columns = summary_columns(rows)
     write_text(sweep_dir / "summary.csv", _as_csv(rows, columns))
-    write_text(sweep_dir / "summary.md", _as_markdown(rows, columns))
+    write_text(sweep_dir / "summary.md", _as_markdown(rows, columns) + seed_section(rows))
     return rows
 
 
@@ -211,13 +213,18 @@ def _split_override(item: str) -> tuple[str, str]:
     return key.lstrip("+~"), value
 
 
-def summary_columns(rows: list[dict[str, Any]]) -> list[str]:
-    """SUMMARY_COLUMNS, then one column per override key whose value differs between the rows; a key
-    that is also a result column (epochs=...) is named `key (override)`."""
+def _varying(rows: list[dict[str, Any]]) -> list[str]:
+    """The override keys whose values differ between the rows (a sweep's axes), in first-seen order."""
     keys: dict[str, None] = {}
     for r in rows:
         keys.update(dict.fromkeys(r.get("_overrides", {})))
-    varying = [k for k in keys if len({r.get("_overrides", {}).get(k) for r in rows}) > 1]
+    return [k for k in keys if len({r.get("_overrides", {}).get(k) for r in rows}) > 1]
+
+
+def summary_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """SUMMARY_COLUMNS, then one column per override key whose value differs between the rows; a key
+    that is also a result column (epochs=...) is named `key (override)`."""
+    varying = _varying(rows)
     extra = [f"{k} (override)" if k in SUMMARY_COLUMNS else k for k in varying]
     for r in rows:
         for key, name in zip(varying, extra):
@@ -254,6 +261,51 @@ def _as_markdown(rows: list[dict[str, Any]], columns=SUMMARY_COLUMNS) -> str:
     line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), rule, *map(line, cells[1:])]) + "\n"
+
+
+SEED_METRICS = ("time_to_target_s", "epochs", "optimizer_steps", "best_val_loss", "final_val_dice")
+FINISHED = ("reached target", "epoch cap")
+
+
+def over_seeds(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Where the runs differ in `seed`: one row per setting of the other varying overrides, with how
+    many runs finished and reached the target, and the median [min – max] of SEED_METRICS over the
+    finished runs, a run that missed the target counting as inf in time_to_target_s (a time to target
+    is stated over seeds: one run's epoch count moves with its bits). ([], []) without a seed axis."""
+    varying = _varying(rows)
+    if "seed" not in varying:
+        return [], []
+    axes = [k for k in varying if k != "seed"]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r["_overrides"].get(k) for k in axes), []).append(r)
+    table = []
+    for key, runs in groups.items():
+        done = [r for r in runs if r["status"] in FINISHED]
+        row = {**dict(zip(axes, key)), "runs finished": f"{len(done)} of {len(runs)}",
+               "reached target": sum(r["status"] == "reached target" for r in done)}
+        for metric in SEED_METRICS:
+            values = [math.inf if metric == "time_to_target_s" and r["status"] == "epoch cap"
+                      else r.get(metric) for r in done]
+            row[metric] = _spread([float(v) for v in values if v is not None])
+        table.append(row)
+    return [*axes, "runs finished", "reached target", *SEED_METRICS], table
+
+
+def _spread(values: list[float]) -> str:
+    """'median [min – max]' of the values; the value alone where there is one; '' where none."""
+    if len(values) < 2:
+        return _fmt(values[0]) if values else ""
+    return f"{_fmt(statistics.median(values))} [{_fmt(min(values))} – {_fmt(max(values))}]"
+
+
+def seed_section(rows: list[dict[str, Any]]) -> str:
+    """summary.md's table over seeds (over_seeds), or "" where the runs do not differ in seed."""
+    columns, table = over_seeds(rows)
+    if not table:
+        return ""
+    return ("\nOver seeds: median [min – max] of the finished runs; a run that missed the target counts "
+            "as inf in time_to_target_s.\n\n" + _as_markdown(table, columns))
 
 
 def sort_rows(rows: list[dict[str, Any]], column: str, reverse: bool = False) -> list[dict[str, Any]]:
@@ -321,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         rows = sort_rows(rows, args.sort, args.reverse)
     print(f"{len(rows)} run(s); wrote {root / 'summary.csv'} and {root / 'summary.md'}")
-    print(_as_markdown(rows, columns), end="")
+    print(_as_markdown(rows, columns) + seed_section(rows), end="")
     return 0
 
 

@@ -7,7 +7,9 @@
 #   scaling and fsdp: RANKS=2,4 and SCALE=7 by default; spatial: SHARDS=2 ranks each sharding one
 #   volume, SPATIAL_SCALE=9); routes (retunes scaffold/model/routes.py on device time at ROUTE_SCALES,
 #   7,8 by default, rewriting it after every site, and keeps a copy beside the logs); target (the
-#   default scale-7 run to its target: the time to target); scale9 (retunes scale 9's routes, then
+#   default scale-7 run to its target: the time to target); seeds (that run once per seed in SEEDS,
+#   "42 1 2" by default, each its own process, then their summary over seeds: the time to target as a
+#   median, since one run's epoch count moves with its bits); scale9 (retunes scale 9's routes, then
 #   its step on them against the table before, ladder with recompute; needs an H200's memory)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +60,11 @@ for s in $stages; do
             cp scaffold/model/routes.py "$RESULTS/routes.py" ;;
     target) run target "${LIMIT_TARGET:-570}" python3 -m scaffold.train scale=7 progress=false \
               hydra.run.dir="$RESULTS/target_run" ;;
+    seeds) for seed in ${SEEDS:-42 1 2}; do
+             run "target_seed$seed" "${LIMIT_TARGET:-570}" python3 -m scaffold.train scale=7 progress=false \
+               "seed=$seed" hydra.run.dir="$RESULTS/seeds/$seed"
+           done
+           run seeds 60 python3 -m scaffold.report "$RESULTS/seeds" ;;
     scale9) cp scaffold/model/routes.py "$RESULTS/routes_before9.py"
             run routes9 "${LIMIT_ROUTES9:-420}" python3 -m scaffold.bench.tune_routes --scale 9 --timer device \
               --reps 2 --write --out "$RESULTS/routes9.json"
@@ -69,7 +76,8 @@ for s in $stages; do
   esac
 done
 if [ -n "${ARCHIVE_DIR:-}" ]; then
-  rm -rf "$RESULTS/train_run/checkpoints" "$RESULTS/target_run/checkpoints" "$RESULTS"/{scaling,spatial,fsdp}_runs/*/checkpoints
+  rm -rf "$RESULTS/train_run/checkpoints" "$RESULTS/target_run/checkpoints" "$RESULTS"/seeds/*/checkpoints \
+    "$RESULTS"/{scaling,spatial,fsdp}_runs/*/checkpoints
   tar czf "$ARCHIVE_DIR/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
   cp "$summary" "$ARCHIVE_DIR/summary.txt"
 fi

@@ -131,3 +131,34 @@ def test_unfinished_runs_interrupted_running_failed(tmp_path):
     assert [r["status"] for r in rows] == [f"interrupted (resume={sweep / '0'})", "running", "failed"]
     assert rows[0]["epochs"] == "2" and rows[0]["optimizer_steps"] == "6" and rows[0]["best_epoch"] == "1"
     assert float(rows[0]["final_val_dice"]) == 0.7
+
+
+def test_a_seed_sweep_is_summarized_over_seeds(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    results = {  # (lr, seed): (epochs, time to target or None: the epoch cap)
+        ("0.001", 1): (18, 91.0), ("0.001", 2): (22, 120.0), ("0.001", 3): (16, 80.0),
+        ("0.01", 1): (30, None), ("0.01", 2): (20, 100.0)}
+    for job, ((lr, seed), (epochs, ttt)) in enumerate(results.items()):
+        fake_run(sweep / str(job), [f"lr={lr}", f"seed={seed}"],
+                 {"epochs": epochs, "time_to_target_s": ttt, "best_val_loss": epochs / 100})
+    fake_run(sweep / "5", ["lr=0.01", "seed=3"])  # failed: counted, not in the statistics
+    rows = report.summarize_sweep(sweep)
+    columns, table = report.over_seeds(rows)
+    assert columns[:3] == ["lr", "runs finished", "reached target"]
+    fast, slow = table
+    assert (fast["lr"], fast["runs finished"], fast["reached target"]) == ("0.001", "3 of 3", 3)
+    assert fast["time_to_target_s"] == "91 [80 – 120]" and fast["epochs"] == "18 [16 – 22]"
+    # A run that missed the target is inf, so the median of two is inf too: no figure hides the miss.
+    assert (slow["runs finished"], slow["reached target"]) == ("2 of 3", 1)
+    assert slow["time_to_target_s"] == "inf [100 – inf]" and slow["epochs"] == "25 [20 – 30]"
+
+    markdown = (sweep / "summary.md").read_text()
+    assert "Over seeds" in markdown and "| 0.001 | 3 of 3" in markdown.replace("  ", " ")
+    assert report.main([str(sweep)]) == 0
+    assert markdown in capsys.readouterr().out
+
+    plain = tmp_path / "plain"  # no seed axis: no section
+    fake_run(plain / "0", ["lr=0.1", "seed=1"], {"epochs": 1})
+    fake_run(plain / "1", ["lr=0.2", "seed=1"], {"epochs": 1})
+    assert report.over_seeds(report.summarize_sweep(plain)) == ([], [])
+    assert "Over seeds" not in (plain / "summary.md").read_text()
