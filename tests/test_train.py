@@ -58,6 +58,7 @@ def test_run_directory_contents(baseline):
     assert census["conv"]["vendor"] > 0  # on the CPU every site runs on the vendor rung
     result = json.loads((run_dir / "result.json").read_text())
     assert result["cuda_graph"] is False and result["graph_capture_s"] == 0.0  # CPU: eager steps
+    assert result["memory"] is None and result["plan"]["predicted_gib"] is None  # no device memory to model
 
 
 def test_two_runs_give_identical_bits(baseline, cache, tmp_path):
@@ -214,7 +215,9 @@ def test_multirun_writes_summary(cache, tmp_path):
     summary = (sweep / "summary.csv").read_text().splitlines()
     assert summary[0].startswith("job,overrides,epochs")
     assert len(summary) == 3 and "seed=0" in summary[1] and "seed=1" in summary[2]
-    assert (sweep / "summary.md").read_text().count("\n") == 4
+    table, _, seeds = (sweep / "summary.md").read_text().partition("\nOver seeds")
+    assert table.count("\n") == 4  # header, rule, two jobs
+    assert "| 2 of 2 " in seeds  # the sweep's axis is the seed: both runs summarized over it
     for job in ("0", "1"):
         assert len(read_rows(sweep / job / "train_stats.csv")) == 1
 
