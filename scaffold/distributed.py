@@ -190,12 +190,20 @@ def fingerprint(tensors) -> str:
     return h.hexdigest()[:16]
 
 
+def gather_objects(value: Any, place: Place) -> list[Any]:
+    """Every rank's `value` (picklable), in rank order, on every rank."""
+    if place.world <= 1:
+        return [value]
+    values: list[Any] = [None] * place.world
+    dist.all_gather_object(values, value)
+    return values
+
+
 def check_same(value: str, what: str, place: Place) -> None:
     """Raises on every rank when `value` differs between ranks (e.g. a parameter fingerprint)."""
     if place.world <= 1:
         return
-    values: list[Optional[str]] = [None] * place.world
-    dist.all_gather_object(values, value)
+    values = gather_objects(value, place)
     if len(set(values)) > 1:
         differ = [r for r, v in enumerate(values) if v != values[0]]
         raise RuntimeError(f"{what} differs between ranks: rank 0 has {values[0]}, ranks {differ} differ")
@@ -213,9 +221,7 @@ def agree(error: Optional[BaseException], place: Place) -> None:
             raise error
         return
     mine = None if error is None else (isinstance(error, ConfigError), str(error).splitlines()[0])
-    everyone: list[Any] = [None] * place.world
-    dist.all_gather_object(everyone, mine)
-    for rank, got in enumerate(everyone):
+    for rank, got in enumerate(gather_objects(mine, place)):
         if got is not None:
             is_config, message = got
             if rank == place.rank and error is not None:

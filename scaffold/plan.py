@@ -384,6 +384,10 @@ class RunPlan:
     fuse_head: bool = True  # the last GroupNorm + ReLU and the 1x1x1 head as one op where a rung can
     optimizer: str = "torch"  # one of OPTIMIZERS
     fsdp: bool = False  # parameters, gradients and Adam state sharded over the ranks (FSDP2), not DDP
+    # The memory model's bytes for this process on a CUDA device (Estimate.need: what
+    # torch.cuda.max_memory_allocated should reach over the run); None on the CPU. result.json sets the
+    # measured peak of every rank beside it.
+    predicted_bytes: Optional[int] = None
     reasons: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def lines(self) -> list[str]:
@@ -397,7 +401,8 @@ class RunPlan:
                 "spatial_shards": self.spatial_shards, "cuda_graph": self.cuda_graph, "recompute": self.recompute,
                 "masks_on_host": self.masks_on_host, "working_copies": self.working_copies,
                 "skip_rooms": self.skip_rooms, "fuse_head": self.fuse_head, "optimizer": self.optimizer,
-                "fsdp": self.fsdp}
+                "fsdp": self.fsdp, "predicted_gib": None if self.predicted_bytes is None else
+                round(self.predicted_bytes / GiB, 3)}
 
 
 def resolve(cfg: Any, place: Place = Place(), n_classes: Optional[int] = None) -> RunPlan:
@@ -464,5 +469,11 @@ def resolve(cfg: Any, place: Place = Place(), n_classes: Optional[int] = None) -
     fuse = shards == 1
     why.append(("fused head", "last GroupNorm + ReLU and the 1x1x1 head as one op where their rungs allow"
                 if fuse else "off: the volume is split over ranks"))
+    predicted = None
+    if device.type == "cuda":
+        shape = step_shape(cfg, "cuda", recompute, n_classes, capacity=capacity, world=place.world, fsdp=fsdp)
+        predicted = estimate(replace(shape, graph=graph), warmup=cfg.warmup_steps > 0).need
+        why.append(("memory", f"~{predicted / GiB:.1f} GiB a rank predicted (the memory model; result.json "
+                    "sets each rank's measured peak beside it)"))
     return RunPlan(device, amp, place.world, place.joined, shards, graph, cfg.cuda_graph == "on", recompute,
-                   roomy, host, working, rooms, fuse, opt, fsdp, tuple(why))
+                   roomy, host, working, rooms, fuse, opt, fsdp, predicted, tuple(why))

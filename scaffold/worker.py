@@ -243,6 +243,9 @@ class Result:
     overrides: list[str]  # those the run was started with; a resume's are in `resumes`
     resumes: list[dict]
     plan: dict  # the run's decisions (scaffold.plan.RunPlan.record)
+    # On CUDA: the memory model's GiB for a rank, every rank's measured peak (max_memory_allocated over
+    # the run, rank order) and the largest over the prediction; None on the CPU.
+    memory: Optional[dict]
 
 
 def _run(cfg: Any, run_dir: Path, resume: bool, overrides: Optional[list[str]], stop: StopRequest,
@@ -544,8 +547,22 @@ def result_of(job: Job, progress: Progress) -> dict:
         load_avg_start=job.load_at_start, load_avg_end=load_average(), dataset_s=job.startup["dataset_s"],
         warmup_s=job.startup["warmup_s"], cuda_graph=trainer.train_step.graph is not None,
         graph_capture_s=job.startup["capture_s"], overrides=job.original_overrides, resumes=job.resumes,
-        plan=job.plan.record()))
+        plan=job.plan.record(), memory=memory_record(job)))
     return result
+
+
+def memory_record(job: Job) -> Optional[dict]:
+    """The memory model's prediction for a rank beside every rank's measured peak, or None off CUDA.
+    A collective on more than one rank: every rank calls it, at the end of the run."""
+    from scaffold.model.memory import GiB
+
+    device = job.plan.device
+    if device.type != "cuda" or job.plan.predicted_bytes is None:
+        return None
+    peaks = distributed.gather_objects(torch.cuda.max_memory_allocated(device) / GiB, job.place)
+    predicted = job.plan.predicted_bytes / GiB
+    return {"predicted_gib": round(predicted, 3), "peak_gib": [round(p, 3) for p in peaks],
+            "peak_over_predicted": round(max(peaks) / predicted, 4)}
 
 
 def _final_line(job: Job, progress: Progress, result: dict) -> None:
@@ -564,6 +581,11 @@ def _final_line(job: Job, progress: Progress, result: dict) -> None:
                  "%d optimizer steps, %.1f s); results in %s", cfg.target_dice, progress.epoch,
                  progress.last_val_dice, progress.best_epoch, progress.total_steps, progress.train_time,
                  job.run_dir)
+    memory = result.get("memory")
+    if memory:
+        log.info("device memory: peak %.2f GiB (the largest of %d rank(s)) against ~%.2f GiB predicted by the "
+                 "memory model (%.2fx)", max(memory["peak_gib"]), len(memory["peak_gib"]),
+                 memory["predicted_gib"], memory["peak_over_predicted"])
 
 
 def _flop_note(result: dict) -> str:

@@ -32,6 +32,19 @@ def test_two_scale7_runs_are_bitwise_identical(first_run, cache, tmp_path):
     assert same_params(params(tmp_path), params(first_run))
 
 
+def test_the_result_sets_the_measured_peak_beside_the_memory_models(first_run):
+    """result.json's memory: the model's prediction for the run (also in the plan, as run.json has it)
+    and the measured peak of max_memory_allocated. Within 20%: the model is within 5% of the step's
+    measured peak at scales 7-8 (docs/performance.md); a run adds the evaluation and the warm-up copy,
+    which it models too."""
+    result = json.loads((first_run / "result.json").read_text())
+    memory = result["memory"]
+    assert memory["predicted_gib"] == result["plan"]["predicted_gib"] > 0
+    [peak] = memory["peak_gib"]  # one rank
+    assert 0 < peak and abs(memory["peak_over_predicted"] - peak / memory["predicted_gib"]) < 1e-3
+    assert 0.8 <= memory["peak_over_predicted"] <= 1.2
+
+
 def test_strict_equals_default_at_scale7(first_run, cache, tmp_path):
     try:
         worker.run(tiny_cfg(cache, *SCALE7, "determinism=strict"), tmp_path)
