@@ -1,22 +1,27 @@
-"""Data-parallel weak scaling of the training run: `scaffold.train` in one process and under torchrun
-at each given rank count, with the same per-rank batch, every size `--reps` times in alternating
-order, in one call.
+"""Scaling of the training run: `scaffold.train` in one process and under torchrun at each given rank
+count, every size `--reps` times in alternating order, in one call. Weak scaling by default (data
+parallel, the same per-rank batch); `--spatial` measures strong scaling instead: each size's ranks
+split one volume (`parallel.spatial_shards` = its rank count), so a volume's step is shared.
 
 Per size: the median over its runs of the last epoch's median step time (train_stats.csv's
-`step_ms_median`), samples per second over all ranks, the efficiency against one process (its step
-time over this size's: each rank's throughput against one device's), and whether the size's runs
+`step_ms_median`), samples per second, the efficiency (each GPU's samples per second against one
+process's: for weak scaling, one process's step time over this size's) and whether the size's runs
 are bitwise identical (train_stats.csv's non-wall-clock columns and every tensor of
-checkpoints/last.pt). Prints a table and writes JSON. Arguments after `--` go to every run (a scale's
-overrides, `parallel.fsdp=on`, ...); the dataset is generated once first. NVLink multicast stays off
-in the runs (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1) unless
-set otherwise.
+checkpoints/last.pt). From the runs' result.json: on CUDA the largest peak of device memory of any
+rank beside the memory model's figure for a rank; where runs reach the target (`--epochs -1`), the
+median time to target with each run's epochs and steps. Prints a table and writes JSON. Arguments
+after `--` go to every run (a scale's overrides, `parallel.fsdp=on`, ...); the dataset is generated
+once first. NVLink multicast stays off in the runs (NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1) unless set otherwise.
 
     python -m scaffold.bench.scaling --ranks 2,4 --scale 7 --epochs 2 --reps 2
     python -m scaffold.bench.scaling --ranks 2 --scale 8 -- parallel.fsdp=on
+    python -m scaffold.bench.scaling --ranks 2,4 --scale 9 --epochs 1 --spatial -- data.n_instances=6
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -61,6 +66,19 @@ def last_step_ms(run: Path) -> Optional[float]:
     return float(rows[-1]["step_ms_median"]) if rows else None
 
 
+RESULT_KEYS = ("time_to_target_s", "epochs", "optimizer_steps", "memory")  # kept from each run's result.json
+
+
+def run_results(run: Path) -> dict:
+    """RESULT_KEYS from the run's result.json (memory: the model's prediction for a rank and every
+    rank's measured peak, on CUDA); what is missing stays out."""
+    try:
+        result = json.loads((run / "result.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: result[k] for k in RESULT_KEYS if result.get(k) is not None}
+
+
 def run_once(ranks: int, overrides: list[str], run_dir: Path, timeout: float, env: dict) -> dict:
     """One training run into `run_dir`: its last epoch's step time, or what went wrong (one line)."""
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -74,7 +92,7 @@ def run_once(ranks: int, overrides: list[str], run_dir: Path, timeout: float, en
     if done.returncode != 0:
         lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()] or [f"exit {done.returncode}"]
         return {"error": lines[-1][:300], "wall_s": wall}
-    return {"step_ms": last_step_ms(run_dir), "wall_s": wall}
+    return {"step_ms": last_step_ms(run_dir), "wall_s": wall, **run_results(run_dir)}
 
 
 def main(argv=None) -> int:
@@ -86,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=int, default=7)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2, help="runs per size (2 or more also checks their bits)")
+    ap.add_argument("--spatial", action="store_true",
+                    help="strong scaling: each size's ranks share one volume (parallel.spatial_shards = ranks)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
     ap.add_argument("--workdir", default="bench_results/scaling-runs", help="where the runs' directories go")
     ap.add_argument("--out", default="bench_results/scaling.json")
@@ -110,7 +130,7 @@ def main(argv=None) -> int:
     for rep in range(args.reps):
         for n in (sizes if rep % 2 == 0 else sizes[::-1]):  # alternating order: drift hits every size alike
             run_dir = work / f"{'one' if n == ONE else f'ranks{n}'}-rep{rep}"
-            r = run_once(n, overrides, run_dir, args.timeout, env)
+            r = run_once(n, overrides + _shards(n, args.spatial), run_dir, args.timeout, env)
             r["dir"] = str(run_dir)
             runs[n].append(r)
             print(f"  {label(n)}, run {rep + 1}: "
@@ -122,28 +142,43 @@ def main(argv=None) -> int:
     for n in sizes:
         ms = _median(runs[n])
         world = 1 if n == ONE else n
+        groups = 1 if args.spatial else world  # data-parallel groups: volumes in flight per step / batch
         ok = [r for r in runs[n] if "error" not in r]
         bitwise = None
         if len(ok) >= 2:
             bitwise = all(compare(Path(ok[0]["dir"]), Path(r["dir"])).identical for r in ok[1:])
-        table.append({"size": label(n), "ranks": world,
+        table.append({"size": label(n), "ranks": world, "spatial_shards": world // groups,
                       "step_ms_median": ms, "step_ms": [r.get("step_ms") for r in runs[n]],
-                      "samples_per_s": None if ms is None else world * batch * 1000.0 / ms,
-                      "efficiency": None if ms is None or base is None else base / ms,
-                      "bitwise": bitwise, "errors": [r["error"] for r in runs[n] if "error" in r]})
+                      "samples_per_s": None if ms is None else groups * batch * 1000.0 / ms,
+                      # each GPU's throughput against one process's
+                      "efficiency": None if ms is None or base is None else base * groups / (ms * world),
+                      "speedup": None if ms is None or base is None else base / ms,
+                      "bitwise": bitwise, "errors": [r["error"] for r in runs[n] if "error" in r],
+                      **_memory(ok), **_target(ok)})
     dev = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"weak scaling, scale {args.scale}, batch {batch} per rank, {args.epochs} epochs, {dev}; "
-          f"the last epoch's median step, median of {args.reps} runs")
-    print(f"{'size':<12} {'ms/step':>9} {'samples/s':>10} {'efficiency':>11} {'bitwise':>8}")
+    how = ("strong scaling (each size's ranks split one volume)" if args.spatial
+           else f"weak scaling, batch {batch} per rank")
+    print(f"{how}, scale {args.scale}, {args.epochs} epochs, {dev}; the last epoch's median step, median of "
+          f"{args.reps} runs; efficiency: each GPU's samples/s against one process's")
+    print(f"{'size':<12} {'ms/step':>9} {'samples/s':>10} {'efficiency':>11} {'bitwise':>8} {'peak GiB':>9} "
+          f"{'model GiB':>10} {'to target s':>12}")
     for row in table:
         ms, sps, eff = row["step_ms_median"], row["samples_per_s"], row["efficiency"]
         bits = {None: "-", True: "yes", False: "NO"}[row["bitwise"]]
-        print(f"{row['size']:<12} {_fmt(ms, '.2f'):>9} {_fmt(sps, '.1f'):>10} {_fmt(eff, '.1%'):>11} {bits:>8}"
+        print(f"{row['size']:<12} {_fmt(ms, '.2f'):>9} {_fmt(sps, '.1f'):>10} {_fmt(eff, '.1%'):>11} {bits:>8} "
+              f"{_fmt(row.get('peak_gib'), '.2f'):>9} {_fmt(row.get('predicted_gib'), '.2f'):>10} "
+              f"{_fmt(row.get('time_to_target_s'), '.1f'):>12}"
               + (f"  ({len(row['errors'])} failed: {row['errors'][0]})" if row["errors"] else ""))
     write_json(args.out, {"scale": args.scale, "epochs": args.epochs, "batch_per_rank": batch, "device": dev,
+                          "spatial": args.spatial,
                           "overrides": overrides, "reps": args.reps, "rows": table,
                           "runs": {("one" if n == ONE else str(n)): runs[n] for n in sizes}})
     return 0 if all(not row["errors"] for row in table) else 1
+
+
+def _shards(ranks: int, spatial: bool) -> list[str]:
+    """The size's own override: with --spatial, its ranks split one volume."""
+    return [f"parallel.spatial_shards={ranks}"] if spatial and ranks not in (ONE, 1) else []
 
 
 def _batch(overrides: list[str]) -> int:
@@ -153,6 +188,27 @@ def _batch(overrides: list[str]) -> int:
     from scaffold.config import Config
 
     return Config.batch_size
+
+
+def _memory(runs: list[dict]) -> dict:
+    """The largest peak of any rank in any of the size's runs, and the memory model's figure for a rank
+    (the same for every run of a size); {} off CUDA."""
+    records = [r["memory"] for r in runs if r.get("memory")]
+    if not records:
+        return {}
+    return {"peak_gib": max(max(m["peak_gib"]) for m in records), "predicted_gib": records[0]["predicted_gib"]}
+
+
+def _target(runs: list[dict]) -> dict:
+    """The median time to target over the size's runs that reached it, with their epochs and steps
+    (the trajectory differs between world sizes); {} where none did."""
+    reached = [r for r in runs if r.get("time_to_target_s") is not None]
+    if not reached:
+        return {}
+    return {"time_to_target_s": statistics.median(r["time_to_target_s"] for r in reached),
+            "reached_target": f"{len(reached)} of {len(runs)}",
+            "epochs_to_target": [r.get("epochs") for r in reached],
+            "steps_to_target": [r.get("optimizer_steps") for r in reached]}
 
 
 def _median(runs: list[dict]) -> Optional[float]:
