@@ -34,6 +34,7 @@ import torch
 
 from scaffold import checkpoint, determinism, distributed, fsdp, spatial
 from scaffold.data.loader import make_input
+from scaffold.files import atomic_path
 from scaffold.kernels.lib.ahead import compile_ahead
 from scaffold.metrics import hard_dice, per_sample_loss
 from scaffold.stats import StatsFile, load_average
@@ -703,7 +704,8 @@ def _profiler(run_dir: Path):
         activities.append(ProfilerActivity.CUDA)
 
     def save(prof):
-        prof.export_chrome_trace(str(Path(run_dir) / "profile_trace.json"))
+        with atomic_path(Path(run_dir) / "profile_trace.json") as tmp:  # never a torn trace
+            prof.export_chrome_trace(str(tmp))
 
     return profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
                    on_trace_ready=save)
