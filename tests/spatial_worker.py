@@ -1,8 +1,9 @@
 """Run under torchrun (gloo) by tests/test_spatial.py: one forward and backward of the U-Net and its loss
 on a batch of volumes split over the shard group; rank 0 saves the whole-volume output (gathered), the
 loss, every parameter gradient and each rank's peak device memory for the test to compare with one
-process. On the CPU, or on one CUDA device that every rank shares (gloo's exchanges staged through host
-memory, as NCCL refuses two ranks on one GPU): the model's rungs are then the GPU's (Triton)."""
+process. On the CPU, on one CUDA device that every rank shares (`cuda`: gloo's exchanges staged through
+host memory, as NCCL refuses two ranks on one GPU), or with a CUDA device per rank (`cuda-each`: NCCL,
+each rank on its local rank's GPU); on a GPU the model's rungs are the GPU's (Triton)."""
 from __future__ import annotations
 
 import sys
@@ -17,9 +18,16 @@ def main(out_path: str, scale: int, shards: int, bf16: bool, bottleneck: int, de
     from scaffold.spatial import all_sum, make_mesh, shard_model
     from tests.spatial_case import case
 
-    dist.init_process_group("gloo")
+    each = device == "cuda-each"
+    if each:
+        import os
+
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device(device)
+    dist.init_process_group("nccl" if each else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device(device)
     if dev.type == "cuda":
         from scaffold import determinism
 

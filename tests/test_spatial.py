@@ -264,9 +264,15 @@ def test_a_failing_rank_ends_a_sharded_job_within_a_bound(fault, cache, tmp_path
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, tmp_path):
+@pytest.mark.parametrize("placement", [
+    "cuda",  # both ranks on one GPU, over gloo
+    pytest.param("cuda-each", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                        reason="needs two CUDA GPUs")),  # one each, NCCL
+])
+def test_two_ranks_sharing_a_volume_on_gpus_match_one_process(placement, precision, tmp_path):
     """The sharded step on the GPU's own rungs (Triton convolutions on halo'd slabs), 2 ranks on one
-    GPU over gloo (exchanges staged through host memory), against one process on the same GPU.
+    GPU over gloo (exchanges staged through host memory), or each on its own GPU over NCCL
+    (`cuda-each`: the exchanges device to device), against one process on the first GPU.
     fp32 (summation order only): the logits within 1e-4 of their largest; the gradients against a
     float64 reference of the same step (on the CPU), the sharded step's worst error at most twice the
     one process's (both measured against the model's largest gradient: at 64^3 with random labels
@@ -283,7 +289,7 @@ def test_two_ranks_sharing_one_gpu_match_one_process_on_it(precision, tmp_path):
         pytest.skip("needs a CUDA GPU")
     scale, bottleneck, shards = 6, 3, 2
     out = tmp_path / "sharded.pt"
-    res = launch(shards, [str(out), str(scale), str(shards), precision, str(bottleneck), "cuda"], tmp_path,
+    res = launch(shards, [str(out), str(scale), str(shards), precision, str(bottleneck), placement], tmp_path,
                  entry=(str(REPO / "tests" / "spatial_worker.py"),), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = torch.load(out)
