@@ -51,7 +51,34 @@ def _recorded(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(fn)(*args, **kwargs)
+    return record(fn, error_handler=error_handler())(*args, **kwargs)
+
+
+def error_handler():
+    """torch's elastic ErrorHandler with its error file written whole or not at all. torch writes the
+    file in place; once one rank has failed the agent sends the others SIGTERM, and a signal landing
+    while a rank was writing its own error left the file empty, on which torchrun's agent failed
+    itself (JSONDecodeError) instead of naming the rank. Here the record goes to a temporary file
+    that is renamed into place (scaffold.files)."""
+    import json
+    import time
+    import traceback
+
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from scaffold.files import atomic_open
+
+    class WholeFileErrorHandler(ErrorHandler):
+        def record_exception(self, e: BaseException) -> None:
+            path = self._get_error_file_path()
+            if not path:
+                return super().record_exception(e)
+            record = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": {
+                "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+            with atomic_open(path) as f:
+                json.dump(record, f)
+
+    return WholeFileErrorHandler()
 
 
 @hydra.main(config_path=cli.conf_dir(), config_name="config", version_base=None)

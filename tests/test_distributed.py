@@ -98,6 +98,53 @@ def test_a_failing_rank_ends_the_job_within_a_bound(fault, cache, tmp_path):
     assert elapsed < 90, elapsed
 
 
+class _Signalled(BaseException):
+    """What a stop signal's handler raises in a rank (scaffold.trainer's Interrupted, here by name)."""
+
+
+def test_a_ranks_error_file_is_whole_or_absent_when_a_signal_lands_mid_write(tmp_path, monkeypatch):
+    """Once a rank fails, torchrun's agent sends the others SIGTERM and then parses each one's error
+    file. A signal landing while torch's handler writes its file in place leaves it torn, and the agent
+    then fails on it (JSONDecodeError) instead of naming the rank. Injected here: the write raises after
+    its first bytes. torch's handler leaves a torn file; ours leaves the file as it was (absent, or the
+    last whole record), and a write that finishes is what the agent reads."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
+
+    from scaffold.train import error_handler
+
+    def torn_dump(obj, fp, **kwargs):
+        fp.write('{"message": ')
+        raise _Signalled()
+
+    def record(handler, path):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        try:
+            raise RuntimeError("injected failure on rank 1 at step 5")
+        except RuntimeError as e:
+            handler.record_exception(e)
+
+    with monkeypatch.context() as m:
+        m.setattr(json, "dump", torn_dump)
+        with pytest.raises(_Signalled):
+            record(ErrorHandler(), tmp_path / "torch.json")
+        with pytest.raises(_Signalled):
+            record(error_handler(), tmp_path / "ours.json")
+    with pytest.raises(json.JSONDecodeError):  # the fault: what the agent met
+        ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(tmp_path / "torch.json"))
+    assert not (tmp_path / "ours.json").exists() and list(tmp_path.glob(".ours.json*")) == []
+
+    record(error_handler(), tmp_path / "ours.json")  # a whole write, then a torn one over it
+    with monkeypatch.context() as m:
+        m.setattr(json, "dump", torn_dump)
+        with pytest.raises(_Signalled):
+            record(error_handler(), tmp_path / "ours.json")
+    record(ErrorHandler(), tmp_path / "torch.json")  # torch's own record, whole: the format to match
+    ours, theirs = (ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(tmp_path / name))
+                    for name in ("ours.json", "torch.json"))
+    assert ours.message["message"] == theirs.message["message"] == "RuntimeError: injected failure on rank 1 at step 5"
+    assert ours.message["extraInfo"].keys() == theirs.message["extraInfo"].keys() and ours.timestamp > 0
+
+
 def _kill_stopped_rank(pid_file: Path) -> None:
     """SIGKILL the rank that stopped itself (its pid in `pid_file`), if it is still there: a stopped
     process takes no SIGTERM. Only a process running tests/faults.py is killed (never a reused pid)."""
