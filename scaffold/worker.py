@@ -552,14 +552,14 @@ def result_of(job: Job, progress: Progress) -> dict:
 
 
 def memory_record(job: Job) -> Optional[dict]:
-    """The memory model's prediction for a rank beside every rank's measured peak, or None off CUDA.
-    A collective on more than one rank: every rank calls it, at the end of the run."""
+    """The memory model's prediction for a rank beside every rank's measured peak, or None off CUDA
+    (where the plan predicts nothing). A collective on more than one rank: every rank calls it, at the
+    end of the run."""
     from scaffold.model.memory import GiB
 
-    device = job.plan.device
-    if device.type != "cuda" or job.plan.predicted_bytes is None:
+    if job.plan.predicted_bytes is None:
         return None
-    peaks = distributed.gather_objects(torch.cuda.max_memory_allocated(device) / GiB, job.place)
+    peaks = distributed.gather_objects(torch.cuda.max_memory_allocated(job.plan.device) / GiB, job.place)
     predicted = job.plan.predicted_bytes / GiB
     return {"predicted_gib": round(predicted, 3), "peak_gib": [round(p, 3) for p in peaks],
             "peak_over_predicted": round(max(peaks) / predicted, 4)}

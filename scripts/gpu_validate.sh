@@ -11,11 +11,11 @@
 #   class; halo: one SHARDS_PROFILE=2-rank sharded epoch under the profiler, then its communication
 #   against its computation (scaffold.bench.trace)); routes (retunes scaffold/model/routes.py on device
 #   time at ROUTE_SCALES, 7,8 by default, rewriting it after every site, and keeps a copy beside the
-#   logs); target (the
-#   default scale-7 run to its target: the time to target); seeds (that run once per seed in SEEDS,
-#   "42 1 2" by default, each its own process, then their summary over seeds: the time to target as a
-#   median, since one run's epoch count moves with its bits); scale9 (retunes scale 9's routes, then
-#   its step on them against the table before, ladder with recompute; needs an H200's memory)
+#   logs); target (the default scale-7 run to its target: the time to target); seeds (that run once
+#   per seed in SEEDS, "42 1 2" by default, each its own process, then their summary over seeds: the
+#   time to target as a median, since one run's epoch count moves with its bits); scale9 (retunes
+#   scale 9's routes, then its step on them against the table before, ladder with recompute; needs an
+#   H200's memory)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -68,8 +68,9 @@ for s in $stages; do
     spatial) scaling spatial "${LIMIT_SPATIAL:-600}" "${SHARDS:-2,4}" "${SPATIAL_SCALE:-9}" 1 2 --spatial \
                -- "data.n_instances=${SPATIAL_INSTANCES:-6}" ;;
     halo) run halo_run "${LIMIT_HALO:-420}" python3 -m torch.distributed.run --standalone \
-            --nproc-per-node="${SHARDS_PROFILE:-2}" -m scaffold.train scale="${SPATIAL_SCALE:-9}" "data.n_instances=${SPATIAL_INSTANCES:-6}" \
-            "parallel.spatial_shards=${SHARDS_PROFILE:-2}" debug=profile progress=false \
+            --nproc-per-node="${SHARDS_PROFILE:-2}" -m scaffold.train scale="${SPATIAL_SCALE:-9}" \
+            "data.n_instances=${SPATIAL_INSTANCES:-6}" "parallel.spatial_shards=${SHARDS_PROFILE:-2}" \
+            debug=profile progress=false \
             hydra.run.dir="$RESULTS/halo_run"
           run halo 60 python3 -m scaffold.bench.trace "$RESULTS/halo_run/profile_trace.json" \
             --out "$RESULTS/halo.json" ;;

@@ -75,17 +75,16 @@ def intersection(a: list[Interval], b: list[Interval]) -> float:
 
 
 def load(path: Path) -> list[dict]:
-    """The trace's events; ValueError (one line) where the file is not a Chrome trace."""
+    """The trace's events; ValueError (one line, without the path) where the file is not a Chrome trace."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
-        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+        raise ValueError(f"cannot read it ({e.strerror or e})") from None
     except ValueError:
-        raise ValueError(f"{path}: not JSON (expected a torch profiler trace, e.g. a run's "
-                         "profile_trace.json)") from None
+        raise ValueError("not JSON (expected a torch profiler trace, e.g. a run's profile_trace.json)") from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
-        raise ValueError(f"{path}: no traceEvents list (expected a torch profiler trace)")
+        raise ValueError("no traceEvents list (expected a torch profiler trace)")
     return events
 
 
@@ -136,8 +135,7 @@ def main(argv=None) -> int:
     try:
         result = analyze(load(args.trace))
     except ValueError as e:
-        print(f"error: {e}" if str(e).startswith(str(args.trace)) else f"error: {args.trace}: {e}",
-              file=sys.stderr)
+        print(f"error: {args.trace}: {e}", file=sys.stderr)
         return 2
     print(table(result, args.trace))
     if args.out:
