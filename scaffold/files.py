@@ -42,3 +42,11 @@ def write_text(path: os.PathLike | str, text: str) -> None:
 
 def write_json(path: os.PathLike | str, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def read_json(path: os.PathLike | str) -> Any:
+    """The JSON in `path`, or None where it is missing, unreadable or not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scaffold.files import atomic_open, write_text
+from scaffold.files import atomic_open, read_json, write_text
 from scaffold.stats import read_rows
 
 log = logging.getLogger("scaffold")
@@ -154,17 +154,10 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _summary_row(run: Path, root: Path) -> dict[str, Any]:
     rel = run.relative_to(root)
     row: dict[str, Any] = {"job": rel.as_posix() if rel.parts else run.name}
-    res, record = _read_json(run / "result.json"), _read_json(run / "run.json") or {}
+    res, record = read_json(run / "result.json"), read_json(run / "run.json") or {}
     if res is not None:
         row.update({k: res[k] for k in SUMMARY_COLUMNS if k in res})
         source = res

@@ -21,7 +21,6 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1) unless set otherwise
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,6 +32,8 @@ from typing import Optional
 
 from scaffold.bench import write_json
 from scaffold.bench.runs import compare
+from scaffold.files import read_json
+from scaffold.rundir import RESULT_FILE
 from scaffold.stats import read_rows
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -72,9 +73,8 @@ RESULT_KEYS = ("time_to_target_s", "epochs", "optimizer_steps", "memory")  # kep
 def run_results(run: Path) -> dict:
     """RESULT_KEYS from the run's result.json (memory: the model's prediction for a rank and every
     rank's measured peak, on CUDA); what is missing stays out."""
-    try:
-        result = json.loads((run / "result.json").read_text())
-    except (OSError, ValueError):
+    result = read_json(run / RESULT_FILE)
+    if not isinstance(result, dict):
         return {}
     return {k: result[k] for k in RESULT_KEYS if result.get(k) is not None}
 
